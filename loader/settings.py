@@ -1,0 +1,106 @@
+"""Environment variables and the config file, read in one place.
+
+Values are read when asked for (not at import), so tests and long-running processes see changes.
+huggingface_hub's own variables (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE) are read here too, with the
+same meaning huggingface_hub gives them, so the loader can decide "offline" without importing it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_RESOLVE_TTL = 3600.0
+DEFAULT_ENDPOINT = "https://huggingface.co"
+_TRUE = {"1", "on", "yes", "true"}
+
+
+def _truthy(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in _TRUE
+
+
+def cache_root() -> Path:
+    """Root of the kernels cache: KERNELS_CACHE, else ~/.cache/kernels (XDG_CACHE_HOME honoured)."""
+    explicit = os.environ.get("KERNELS_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kernels"
+
+
+def offline() -> bool:
+    """True when HF_HUB_OFFLINE (or the older TRANSFORMERS_OFFLINE) asks for no network."""
+    return _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(
+        os.environ.get("TRANSFORMERS_OFFLINE")
+    )
+
+
+def endpoint() -> str:
+    """The Hub endpoint huggingface_hub will talk to."""
+    return os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+
+
+def resolve_ttl() -> float:
+    """Seconds a resolution record stays fresh (KERNELS_RESOLVE_TTL; 0 = always re-check)."""
+    raw = os.environ.get("KERNELS_RESOLVE_TTL")
+    if raw is None or raw.strip() == "":
+        return DEFAULT_RESOLVE_TTL
+    try:
+        value = float(raw)
+    except ValueError:
+        from .errors import InvalidSpec
+
+        raise InvalidSpec(
+            f"KERNELS_RESOLVE_TTL={raw!r} is not a number of seconds",
+            hint="set KERNELS_RESOLVE_TTL to seconds, e.g. 3600, or 0 to always re-check",
+        ) from None
+    return max(0.0, value)
+
+
+def config_path() -> Path:
+    """The user config file: KERNELS_CONFIG, else ~/.config/kernels/config.toml."""
+    explicit = os.environ.get("KERNELS_CONFIG")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".config"
+    return base / "kernels" / "config.toml"
+
+
+def _read_config() -> dict:
+    path = config_path()
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return {}
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except Exception as exc:
+        from .errors import InvalidSpec
+
+        raise InvalidSpec(
+            f"config file {path} is not valid TOML: {exc}",
+            hint=f"fix or remove {path}",
+        ) from None
+
+
+def trusted_publishers() -> frozenset[str]:
+    """Orgs the user trusts: KERNELS_TRUSTED_PUBLISHERS (comma or space separated) + config file."""
+    names: set[str] = set()
+    env = os.environ.get("KERNELS_TRUSTED_PUBLISHERS", "")
+    names.update(part for part in env.replace(",", " ").split() if part)
+    configured = _read_config().get("trusted_publishers", [])
+    if isinstance(configured, list):
+        names.update(str(part) for part in configured if str(part))
+    return frozenset(names)
+
+
+def lockfile_override() -> Path | None:
+    """KERNELS_LOCKFILE, when set."""
+    raw = os.environ.get("KERNELS_LOCKFILE")
+    return Path(raw).expanduser() if raw else None
