@@ -32,7 +32,9 @@ class InvalidSpec(KernelsError, ValueError):
 class InvalidMetadata(KernelsError, ValueError):
     """A variant's metadata.json is missing, unreadable, or breaks the schema."""
 
-    hint = "the kernel repo is broken at this revision; pin an earlier revision or tell its publisher"
+    hint = (
+        "the kernel repo is broken at this revision; pin an earlier revision or tell its publisher"
+    )
 
 
 class KernelNotFound(KernelsError, FileNotFoundError):
@@ -101,3 +103,9 @@ class LayerError(KernelsError, ValueError):
     """A layer class breaks the layer contract or does not exist in the kernel."""
 
     hint = "layers must subclass nn.Module, define no __init__, and match the forward they replace"
+
+
+class MissingDependency(KernelsError, ImportError):
+    """The kernel needs a Python package that is not installed."""
+
+    hint = "pip install the package named above, then load the kernel again"

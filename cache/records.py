@@ -1,0 +1,171 @@
+"""Small JSON records the loader keeps between runs.
+
+- `ResolutionRecord`: (repo, revision) -> commit, and when that was last checked.
+- `RepoIndex`: per (repo, commit): the remote file listing (immutable, so cached forever) and,
+  per installed variant, the manifest digest of its tree.
+- `TrustRecord`: a publisher trust decision and where it came from.
+
+Keys are opaque strings to this module; it knows nothing of what a repo or a revision means.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .fsutil import atomic_write_json, read_json, safe_key, unsafe_key
+from .manifest import Manifest, ManifestError
+
+
+@dataclass(frozen=True)
+class ResolutionRecord:
+    repo: str
+    revision: str
+    commit: str
+    checked_at: float
+
+    def age(self, now: float | None = None) -> float:
+        return (time.time() if now is None else now) - self.checked_at
+
+
+@dataclass(frozen=True)
+class TrustRecord:
+    publisher: str
+    trusted: bool
+    source: str  # "hub", "user", "trust_remote_code"
+    checked_at: float
+
+
+class RecordStore:
+    """refs/<repo>/<revision>.json and trust/<publisher>.json."""
+
+    def __init__(self, refs: Path, trust: Path):
+        self.refs = refs
+        self.trust_dir = trust
+
+    def _ref_path(self, repo: str, revision: str) -> Path:
+        return self.refs / safe_key(repo) / f"{safe_key(revision)}.json"
+
+    def get(self, repo: str, revision: str) -> ResolutionRecord | None:
+        data = read_json(self._ref_path(repo, revision))
+        if not isinstance(data, dict):
+            return None
+        try:
+            return ResolutionRecord(repo, revision, str(data["commit"]), float(data["checked_at"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, record: ResolutionRecord) -> None:
+        atomic_write_json(
+            self._ref_path(record.repo, record.revision),
+            {"commit": record.commit, "checked_at": record.checked_at},
+        )
+
+    def revisions(self, repo: str) -> list[ResolutionRecord]:
+        folder = self.refs / safe_key(repo)
+        out = []
+        if folder.is_dir():
+            for item in sorted(folder.glob("*.json")):
+                record = self.get(repo, unsafe_key(item.name[: -len(".json")]))
+                if record:
+                    out.append(record)
+        return out
+
+    def repos(self) -> list[str]:
+        if not self.refs.is_dir():
+            return []
+        return sorted(unsafe_key(p.name) for p in self.refs.iterdir() if p.is_dir())
+
+    def get_trust(self, publisher: str) -> TrustRecord | None:
+        data = read_json(self.trust_dir / f"{safe_key(publisher)}.json")
+        if not isinstance(data, dict):
+            return None
+        try:
+            return TrustRecord(
+                publisher, bool(data["trusted"]), str(data["source"]), float(data["checked_at"])
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put_trust(self, record: TrustRecord) -> None:
+        data = asdict(record)
+        del data["publisher"]
+        atomic_write_json(self.trust_dir / f"{safe_key(record.publisher)}.json", data)
+
+
+class RepoIndex:
+    """index/<repo>/<commit>/{listing.json, variants/<variant>.json} and manifests/<digest>.json."""
+
+    def __init__(self, index: Path, manifests: Path):
+        self.index = index
+        self.manifests = manifests
+
+    def _commit_dir(self, repo: str, commit: str) -> Path:
+        return self.index / safe_key(repo) / safe_key(commit)
+
+    # The remote listing of a commit: {variant: [file dicts]} in whatever shape the caller uses.
+    def get_listing(self, repo: str, commit: str) -> dict | None:
+        data = read_json(self._commit_dir(repo, commit) / "listing.json")
+        return data if isinstance(data, dict) else None
+
+    def put_listing(self, repo: str, commit: str, listing: dict) -> None:
+        atomic_write_json(self._commit_dir(repo, commit) / "listing.json", listing)
+
+    # Installed variants: (repo, commit, variant) -> manifest digest.
+    def get_variant(self, repo: str, commit: str, variant: str) -> Manifest | None:
+        data = read_json(self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json")
+        if not isinstance(data, dict) or "tree" not in data:
+            return None
+        return self.get_manifest(str(data["tree"]))
+
+    def put_variant(self, repo: str, commit: str, variant: str, manifest: Manifest) -> None:
+        self.put_manifest(manifest)
+        atomic_write_json(
+            self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json",
+            {"tree": manifest.digest, "installed_at": time.time()},
+        )
+
+    def drop_variant(self, repo: str, commit: str, variant: str) -> None:
+        path = self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json"
+        path.unlink(missing_ok=True)
+
+    def installed_variants(self, repo: str, commit: str) -> list[str]:
+        folder = self._commit_dir(repo, commit) / "variants"
+        if not folder.is_dir():
+            return []
+        return sorted(unsafe_key(p.name[: -len(".json")]) for p in folder.glob("*.json"))
+
+    def get_manifest(self, digest: str) -> Manifest | None:
+        data = read_json(self.manifests / f"{digest}.json")
+        if data is None:
+            return None
+        try:
+            manifest = Manifest.from_json(data)
+        except ManifestError:
+            return None
+        return manifest if manifest.digest == digest else None
+
+    def put_manifest(self, manifest: Manifest) -> None:
+        path = self.manifests / f"{manifest.digest}.json"
+        if not path.exists():
+            atomic_write_json(path, manifest.to_json())
+
+    def entries(self):
+        """Every (repo, commit, variant, manifest digest) installed."""
+        if not self.index.is_dir():
+            return
+        for repo_dir in sorted(self.index.iterdir()):
+            for commit_dir in sorted(p for p in repo_dir.iterdir() if p.is_dir()):
+                vdir = commit_dir / "variants"
+                if not vdir.is_dir():
+                    continue
+                for item in sorted(vdir.glob("*.json")):
+                    data = read_json(item)
+                    if isinstance(data, dict) and "tree" in data:
+                        yield (
+                            unsafe_key(repo_dir.name),
+                            unsafe_key(commit_dir.name),
+                            unsafe_key(item.name[: -len(".json")]),
+                            str(data["tree"]),
+                        )

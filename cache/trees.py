@@ -1,0 +1,135 @@
+"""Materialised variant trees: the folders Python imports from.
+
+A tree lives at `trees/<manifest digest>/` and holds exactly the manifest's files, hard-linked
+from the object store (copied where links are not possible). It is assembled in a temp folder and
+published by one atomic rename, so a tree either exists complete or not at all. Its stat stamps
+(size, mtime, inode per file) are recorded at publish time; a load compares them (cheap) and falls
+back to a full re-hash of any file whose stamp moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fsutil import atomic_write_json, fsync_dir, read_json, sha256_file
+from .manifest import Manifest
+from .objects import ObjectStore
+
+
+@dataclass(frozen=True)
+class TreeCheck:
+    """Outcome of verifying a tree: `bad` lists paths whose bytes do not match the manifest."""
+
+    ok: bool
+    bad: tuple[str, ...] = ()
+    rehashed: int = 0
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+class TreeStore:
+    def __init__(self, root: Path, stamps: Path, tmp: Path, objects: ObjectStore):
+        self.root = root
+        self.stamps = stamps
+        self.tmp = tmp
+        self.objects = objects
+
+    def path(self, digest: str) -> Path:
+        return self.root / digest
+
+    def exists(self, digest: str) -> bool:
+        return self.path(digest).is_dir()
+
+    def publish(self, manifest: Manifest) -> Path:
+        """Assemble the tree from objects (all must be present) and publish it atomically."""
+        digest = manifest.digest
+        final = self.path(digest)
+        if final.is_dir():
+            return final
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="tree-", dir=self.tmp))
+        try:
+            for entry in manifest.files:
+                src = self.objects.path(entry.sha256)
+                dst = staging / entry.path
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copyfile(src, dst)
+                    os.chmod(dst, 0o444)
+            stamps = {e.path: _stamp((staging / e.path).stat()) for e in manifest.files}
+            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(staging, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+                shutil.rmtree(staging, ignore_errors=True)  # another process won the race
+                return final
+            fsync_dir(self.root)
+            # Inodes survive a rename, so the stamps taken in staging hold for the final tree.
+            atomic_write_json(self.stamps / f"{digest}.json", stamps)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return final
+
+    def check(self, manifest: Manifest, *, full: bool = False) -> TreeCheck:
+        """Verify a tree against its manifest; stamps first, a re-hash where a stamp moved."""
+        tree = self.path(manifest.digest)
+        stamps = read_json(self.stamps / f"{manifest.digest}.json")
+        stamps = stamps if isinstance(stamps, dict) else {}
+        bad: list[str] = []
+        rehashed = 0
+        for entry in manifest.files:
+            path = tree / entry.path
+            try:
+                st = path.lstat()
+            except OSError:
+                bad.append(entry.path)
+                continue
+            if not path.is_file() or path.is_symlink() or st.st_size != entry.size:
+                bad.append(entry.path)
+                continue
+            if full or stamps.get(entry.path) != _stamp(st):
+                rehashed += 1
+                if sha256_file(path) != entry.sha256:
+                    bad.append(entry.path)
+        return TreeCheck(ok=not bad, bad=tuple(bad), rehashed=rehashed)
+
+    def refresh_stamps(self, manifest: Manifest) -> None:
+        """Record current stamps after a full check passed (no-op on a read-only cache)."""
+        tree = self.path(manifest.digest)
+        with contextlib.suppress(OSError):
+            stamps = {e.path: _stamp((tree / e.path).stat()) for e in manifest.files}
+            atomic_write_json(self.stamps / f"{manifest.digest}.json", stamps)
+
+    def remove(self, digest: str) -> None:
+        """Drop a tree (e.g. a corrupt one): rename away first so no reader sees half of it."""
+        tree = self.path(digest)
+        if not tree.exists():
+            return
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        doomed = Path(tempfile.mkdtemp(prefix="dead-", dir=self.tmp))
+        try:
+            os.rename(tree, doomed / "tree")
+        except OSError:
+            doomed = tree
+        # Files are read-only but their folders are not, so a plain rmtree removes them.
+        shutil.rmtree(doomed, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.stamps / f"{digest}.json")
+
+    def iter_digests(self):
+        if self.root.is_dir():
+            for child in self.root.iterdir():
+                if len(child.name) == 64 and child.is_dir():
+                    yield child.name

@@ -1,0 +1,471 @@
+"""The public loading functions, with the reference `kernels` signatures.
+
+Each call runs the pipeline spec -> resolve -> fetch -> select -> import. A warm load is served
+from the cache alone (zero requests): a fresh resolution record (or a pinned commit, or offline),
+the cached listing of that commit, and an installed variant whose files match their stamps. Only
+when something is missing does a call take the repo's inter-process lock and talk to the Hub, so
+N processes starting together make the requests of one. The same request again in the same
+process returns the already imported module without touching the disk.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from kernels.cache import Cache, FileEntry, Manifest
+
+from . import settings
+from .errors import (
+    CacheError,
+    HubUnavailable,
+    IntegrityError,
+    InvalidMetadata,
+    KernelNotFound,
+    NoCompatibleVariant,
+    OfflineCacheMiss,
+    RevisionNotFound,
+)
+from .fetch import Listing, get_listing, install_variant
+from .importer import LoadedKernel, RepoInfo, get_loaded_kernels, import_tree
+from .importer import get_kernel_dep as get_kernel_dep
+from .metadata import Metadata
+from .notices import notice_once
+from .resolve import Resolution, resolve
+from .select import check_metadata, check_native, check_python_depends, no_variant_error, reject
+from .spec import KernelSpec, make_spec
+from .trust import TrustArg, ensure_trusted
+from .variants import SystemInfo, VariantAccepted, detect_system, select_variants
+
+__all__ = [
+    "get_kernel",
+    "get_local_kernel",
+    "has_kernel",
+    "install_kernel",
+    "get_kernel_variants",
+    "get_loaded_kernels",
+    "get_kernel_dep",
+]
+
+
+class _NeedNetwork(Exception):
+    """The cache alone cannot answer; retry with the Hub (under the repo lock)."""
+
+
+@dataclass(frozen=True)
+class Installed:
+    resolution: Resolution
+    variant: str
+    manifest: Manifest
+    tree: Path
+    metadata: Metadata
+    trace: list
+
+
+@functools.lru_cache(maxsize=8)
+def _system(backend: str | None) -> SystemInfo:
+    return detect_system(backend)
+
+
+def _cache() -> Cache:
+    return Cache(settings.cache_root())
+
+
+# -- the pipeline --------------------------------------------------------------------------
+
+
+def _verify_installed(cache: Cache, manifest: Manifest, what: str, *, repair: bool) -> bool:
+    """True if the tree matches its manifest. A corrupt tree is evicted (when `repair`)."""
+    check = cache.trees.check(manifest)
+    if check.ok:
+        if check.rehashed:
+            cache.trees.refresh_stamps(manifest)
+        return True
+    notice_once(
+        f"corrupt:{manifest.digest}",
+        f"kernels: {what}: cached files changed on disk ({', '.join(check.bad[:3])}); "
+        + ("fetching clean copies" if repair else "refusing to import them"),
+    )
+    if repair:
+        cache.evict(manifest, check.bad)
+    return False
+
+
+def _run(
+    cache: Cache,
+    spec: KernelSpec,
+    system: SystemInfo,
+    trust_remote_code: TrustArg,
+    *,
+    network: bool,
+    offline: bool,
+    check_arch: bool = True,
+    progress=None,
+) -> Installed:
+    """One pass of resolve/fetch/select. Without `network`, raise _NeedNetwork where the cache
+    cannot answer (or OfflineCacheMiss when `offline`)."""
+    assert spec.repo_id is not None
+    repo_id = spec.repo_id
+    ttl = settings.resolve_ttl()
+    if not network and not offline and not spec.pinned:
+        record = cache.records.get(repo_id, spec.ref)
+        if record is None or record.age() >= ttl:
+            raise _NeedNetwork
+    resolution = resolve(cache, spec, offline=offline or not network, ttl=ttl)
+    commit = resolution.commit
+    what = f"{repo_id}@{spec.ref if spec.ref == commit else f'{spec.ref} ({commit[:12]})'}"
+    if network or offline:
+        ensure_trusted(cache, repo_id, trust_remote_code, offline=offline)
+    else:
+        try:
+            ensure_trusted(cache, repo_id, trust_remote_code, offline=True)
+        except Exception:
+            raise _NeedNetwork from None
+    try:
+        listing = get_listing(cache, repo_id, commit, offline=offline or not network)
+    except OfflineCacheMiss:
+        if offline:
+            raise
+        raise _NeedNetwork from None
+    trace = select_variants(listing.variants, system)
+    accepted = [e.variant for e in trace if isinstance(e, VariantAccepted)]
+    skipped_uncached = []
+    for variant in accepted:
+        found = cache.installed(repo_id, commit, variant)
+        if found is not None and not _verify_installed(
+            cache, found[0], f"{what}/{variant}", repair=network and cache.writable
+        ):
+            if not network:
+                if offline:
+                    raise IntegrityError(
+                        f"{what}/{variant}: cached files do not match their digests",
+                        hint=f"run `kernels pull {repo_id}@{spec.ref}` while online to repair",
+                    )
+                raise _NeedNetwork
+            found = None
+        if found is None:
+            if not network:
+                if offline:
+                    skipped_uncached.append(variant)
+                    continue
+                raise _NeedNetwork
+            found = _install(cache, repo_id, commit, variant, listing, system, check_arch, progress)
+            if isinstance(found, str):
+                trace = reject(trace, variant, found)
+                continue
+        manifest, tree = found
+        metadata = Metadata.read(tree / "metadata.json")
+        reason = check_metadata(metadata, system, check_arch=check_arch) or check_native(tree)
+        if reason:
+            trace = reject(trace, variant, reason)
+            continue
+        if skipped_uncached:
+            notice_once(
+                f"offline-variant:{what}",
+                f"kernels: offline: using cached variant {variant} of {what}; the preferred "
+                f"{skipped_uncached[0]} is not cached",
+            )
+        return Installed(resolution, variant, manifest, tree, metadata, trace)
+    if skipped_uncached:
+        raise OfflineCacheMiss(
+            f"{what}: offline, and no compatible variant is cached (wanted {skipped_uncached[0]})",
+            hint=f"run `kernels pull {repo_id}@{spec.ref}` while online",
+        )
+    raise no_variant_error(what, system, trace)
+
+
+def _install(cache, repo_id, commit, variant, listing: Listing, system, check_arch, progress):
+    """Install one variant; returns (manifest, tree), or a rejection reason string."""
+    files = listing.variants[variant]
+    if not any(f.path == "metadata.json" for f in files):
+        return "no metadata.json in this variant"
+
+    def precheck(data: bytes) -> None:
+        metadata = Metadata.from_bytes(
+            data, where=f"{repo_id}@{commit[:12]}/{variant}/metadata.json"
+        )
+        reason = check_metadata(metadata, system, check_arch=check_arch)
+        if reason:
+            raise _Rejected(reason)
+
+    try:
+        return install_variant(
+            cache, repo_id, commit, variant, files, precheck=precheck, progress=progress
+        )
+    except _Rejected as exc:
+        return str(exc)
+
+
+class _Rejected(Exception):
+    pass
+
+
+def _ensure_installed(
+    spec: KernelSpec,
+    *,
+    backend: str | None,
+    trust_remote_code: TrustArg,
+    check_arch: bool = True,
+    progress=None,
+) -> Installed:
+    cache = _cache()
+    system = _system(backend)
+    offline = settings.offline()
+    kwargs = dict(check_arch=check_arch, progress=progress)
+    try:
+        return _run(
+            cache, spec, system, trust_remote_code, network=False, offline=offline, **kwargs
+        )
+    except _NeedNetwork:
+        pass
+    try:
+        cache.ensure()
+        lock = cache.lock(f"repo:{spec.repo_id}")
+    except OSError as exc:
+        raise CacheError(f"cannot write to the cache at {cache.root}: {exc}") from exc
+    with lock:
+        # Another process may have done the work while we waited: check the cache again.
+        try:
+            return _run(
+                cache, spec, system, trust_remote_code, network=False, offline=False, **kwargs
+            )
+        except _NeedNetwork:
+            pass
+        try:
+            return _run(
+                cache, spec, system, trust_remote_code, network=True, offline=False, **kwargs
+            )
+        except HubUnavailable as exc:
+            try:
+                found = _run(
+                    cache, spec, system, trust_remote_code, network=False, offline=True, **kwargs
+                )
+            except (OfflineCacheMiss, IntegrityError):
+                raise exc from None
+            notice_once(
+                f"unreachable:{spec.repo_id}",
+                f"kernels: the Hub is unreachable ({exc.message}); loading {spec} from the cache",
+            )
+            return found
+
+
+def _deps(metadata: Metadata, backend, trust_remote_code) -> dict[str, ModuleType]:
+    return {
+        dep.repo_id: get_kernel(
+            dep.repo_id, version=dep.version, backend=backend, trust_remote_code=trust_remote_code
+        )
+        for dep in metadata.kernel_depends
+    }
+
+
+# -- in-process memo -----------------------------------------------------------------------
+
+_memo_lock = threading.Lock()
+_memo: dict[tuple, tuple[LoadedKernel, float]] = {}
+
+
+def _memo_key(spec: KernelSpec, backend, trust_remote_code, check_arch) -> tuple:
+    trust = (
+        tuple(trust_remote_code)
+        if isinstance(trust_remote_code, (list, tuple))
+        else trust_remote_code
+    )
+    return (spec.repo_id, spec.ref, backend, trust, check_arch, str(settings.cache_root()))
+
+
+def _memo_get(key: tuple, pinned: bool) -> ModuleType | None:
+    with _memo_lock:
+        hit = _memo.get(key)
+    if hit is None:
+        return None
+    loaded, at = hit
+    if pinned or settings.offline() or time.monotonic() - at < settings.resolve_ttl():
+        return loaded.module
+    return None
+
+
+# -- public API ----------------------------------------------------------------------------
+
+
+def get_kernel(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    version: int | None = None,
+    backend: str | None = None,
+    user_agent: str | dict | None = None,
+    trust_remote_code: TrustArg = False,
+    check_arch: bool = True,
+) -> ModuleType:
+    """Load a kernel from the Hub (or the cache) and return its module.
+
+    Exactly one of `version` (the branch 'v<N>') and `revision` (a branch, tag or commit) is
+    required. Raises the typed errors of kernels.errors.
+    """
+    spec = make_spec(repo_id, revision=revision, version=version)
+    key = _memo_key(spec, backend, trust_remote_code, check_arch)
+    module = _memo_get(key, spec.pinned)
+    if module is not None:
+        return module
+    found = _ensure_installed(
+        spec, backend=backend, trust_remote_code=trust_remote_code, check_arch=check_arch
+    )
+    check_python_depends(found.metadata, f"{repo_id} ({found.variant})")
+    loaded = import_tree(
+        found.tree,
+        found.metadata,
+        found.manifest.digest,
+        variant=found.variant,
+        repo_info=RepoInfo(repo_id, found.resolution.commit),
+        deps=_deps(found.metadata, backend, trust_remote_code),
+    )
+    with _memo_lock:
+        _memo[key] = (loaded, time.monotonic())
+    return loaded.module
+
+
+def install_kernel(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    version: int | None = None,
+    backend: str | None = None,
+    local_files_only: bool = False,
+    user_agent: str | dict | None = None,
+    trust_remote_code: TrustArg = False,
+    progress=None,
+) -> Path:
+    """Download and verify the variant that fits this machine; return its folder. No import."""
+    spec = make_spec(repo_id, revision=revision, version=version)
+    if local_files_only:
+        found = _run(
+            _cache(), spec, _system(backend), trust_remote_code, network=False, offline=True
+        )
+    else:
+        found = _ensure_installed(
+            spec, backend=backend, trust_remote_code=trust_remote_code, progress=progress
+        )
+    return found.tree
+
+
+def install_with_details(
+    spec: KernelSpec,
+    *,
+    backend: str | None = None,
+    trust_remote_code: TrustArg = False,
+    progress=None,
+) -> Installed:
+    """install_kernel for the CLI: returns the resolution, variant, manifest and trace too."""
+    return _ensure_installed(
+        spec, backend=backend, trust_remote_code=trust_remote_code, progress=progress
+    )
+
+
+def has_kernel(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    version: int | None = None,
+    backend: str | None = None,
+    trust_remote_code: TrustArg = False,
+    check_arch: bool = True,
+) -> bool:
+    """True if the kernel exists and has a variant that can run here (downloads it)."""
+    spec = make_spec(repo_id, revision=revision, version=version)
+    try:
+        _ensure_installed(
+            spec, backend=backend, trust_remote_code=trust_remote_code, check_arch=check_arch
+        )
+    except (KernelNotFound, RevisionNotFound, NoCompatibleVariant):
+        return False
+    return True
+
+
+def get_kernel_variants(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    version: int | None = None,
+    backend: str | None = None,
+) -> list:
+    """The accept/reject trace of every variant of the kernel on this machine (no download)."""
+    spec = make_spec(repo_id, revision=revision, version=version)
+    cache = _cache()
+    offline = settings.offline()
+    resolution = resolve(cache, spec, offline=offline, ttl=settings.resolve_ttl())
+    listing = get_listing(cache, repo_id, resolution.commit, offline=offline)
+    return select_variants(listing.variants, _system(backend))
+
+
+# -- local kernels -------------------------------------------------------------------------
+
+
+def _local_variant_dirs(repo_path: Path) -> tuple[dict[str, Path], bool]:
+    """Variant folders of a local kernel path: the repo root, its build/, or one variant."""
+    if (repo_path / "metadata.json").is_file():
+        return {repo_path.name: repo_path}, True
+    build = repo_path / "build" if (repo_path / "build").is_dir() else repo_path
+    return {p.name: p for p in sorted(build.iterdir()) if p.is_dir()}, False
+
+
+def _local_manifest(folder: Path) -> Manifest:
+    from kernels.cache.fsutil import sha256_file
+
+    entries = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if "__pycache__" in rel.split("/") or rel.endswith(".pyc") or not path.is_file():
+            continue
+        entries.append(FileEntry(rel, sha256_file(path), path.stat().st_size))
+    return Manifest(tuple(entries))
+
+
+def get_local_kernel(
+    repo_path: Path | str,
+    *,
+    backend: str | None = None,
+    trust_remote_code: TrustArg = False,
+    user_agent: str | dict | None = None,
+) -> ModuleType:
+    """Import a kernel from a local folder: the repo root, its build/, or one variant folder."""
+    repo_path = Path(repo_path).expanduser().resolve()
+    if not repo_path.is_dir():
+        raise KernelNotFound(f"{repo_path}: no such folder", hint="pass the path of a kernel repo")
+    system = _system(backend)
+    variants, single = _local_variant_dirs(repo_path)
+    if single:
+        trace = [VariantAccepted(next(iter(variants)), preferred=True)]
+    else:
+        trace = select_variants(variants, system)
+    for entry in trace:
+        if not isinstance(entry, VariantAccepted):
+            continue
+        folder = variants[entry.variant]
+        try:
+            metadata = Metadata.read(folder / "metadata.json")
+        except InvalidMetadata:
+            if single:
+                raise
+            trace = reject(trace, entry.variant, "missing or invalid metadata.json")
+            continue
+        reason = check_metadata(metadata, system, check_arch=True) or check_native(folder)
+        if reason:
+            if single:
+                raise no_variant_error(str(repo_path), system, reject(trace, entry.variant, reason))
+            trace = reject(trace, entry.variant, reason)
+            continue
+        check_python_depends(metadata, f"{repo_path} ({entry.variant})")
+        manifest = _local_manifest(folder)
+        loaded = import_tree(
+            folder,
+            metadata,
+            manifest.digest,
+            variant=entry.variant,
+            deps=_deps(metadata, backend, trust_remote_code),
+        )
+        return loaded.module
+    raise no_variant_error(str(repo_path), system, trace)

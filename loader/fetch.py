@@ -1,0 +1,212 @@
+"""Stage 3: list a commit's build variants and install one variant into the cache.
+
+The listing of a commit is immutable, so it is fetched once and kept. Installing a variant
+downloads only the files whose bytes the store lacks, checks each against the digest the Hub
+vouches for (the LFS sha256, else the git blob sha1 of the bytes received), stores objects by
+sha256 and publishes the variant tree atomically, under one lock per variant: N processes on a
+host fetch each file once while the others wait.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels.cache import Cache, DigestMismatch, FileEntry, Manifest, ManifestError, check_relpath
+
+from . import hub
+from .errors import CacheError, IntegrityError, OfflineCacheMiss
+from .hub import RemoteFile
+
+MAX_FILE_SIZE = 16 << 30
+MAX_FILES_PER_VARIANT = 10_000
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The build/ tree of one commit: variant name -> files (paths relative to the variant)."""
+
+    variants: dict[str, tuple[RemoteFile, ...]]
+
+    def to_json(self) -> dict:
+        return {
+            "format": 1,
+            "variants": {v: [f.to_json() for f in files] for v, files in self.variants.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Listing:
+        return cls(
+            {v: tuple(RemoteFile.from_json(f) for f in fs) for v, fs in data["variants"].items()}
+        )
+
+
+def _validate_listing(repo_id: str, commit: str, files: list[RemoteFile]) -> Listing:
+    """Group files by variant; refuse any entry that could escape its folder or lie about itself."""
+    variants: dict[str, list[RemoteFile]] = {}
+
+    def bad(why: str) -> IntegrityError:
+        return IntegrityError(
+            f"{repo_id}@{commit[:12]}: the server's listing is unsafe: {why}",
+            hint="refusing to use this listing; report it to the mirror or repo owner",
+        )
+
+    for f in files:
+        try:
+            check_relpath(f.path)
+        except ManifestError as exc:
+            raise bad(str(exc)) from None
+        parts = f.path.split("/")
+        if len(parts) < 3 or parts[0] != "build":
+            continue  # only build/<variant>/<file> is ever installed
+        variant, rel = parts[1], "/".join(parts[2:])
+        if not _VARIANT.match(variant):
+            raise bad(f"variant folder name {variant!r}")
+        if any(p.startswith("__pycache__") or p.endswith(".pyc") for p in parts):
+            continue  # bytecode is never installed
+        if not isinstance(f.size, int) or f.size < 0 or f.size > MAX_FILE_SIZE:
+            raise bad(f"{f.path} has size {f.size!r}")
+        if f.lfs_sha256 is not None and not _HEX64.match(f.lfs_sha256):
+            raise bad(f"{f.path} has a malformed sha256")
+        if f.lfs_sha256 is None and (f.git_sha1 is None or not _HEX40.match(f.git_sha1)):
+            raise bad(f"{f.path} has no usable digest")
+        variants.setdefault(variant, []).append(RemoteFile(rel, f.size, f.git_sha1, f.lfs_sha256))
+    for variant, entries in variants.items():
+        if len(entries) > MAX_FILES_PER_VARIANT:
+            raise bad(f"{variant} lists {len(entries)} files")
+        try:  # duplicate or clashing paths (a file that is also a folder)
+            Manifest(tuple(FileEntry(e.path, "0" * 64, 0) for e in entries))
+        except ManifestError as exc:
+            raise bad(f"{variant}: {exc}") from None
+    return Listing({v: tuple(sorted(fs, key=lambda f: f.path)) for v, fs in variants.items()})
+
+
+def get_listing(cache: Cache, repo_id: str, commit: str, *, offline: bool) -> Listing:
+    """The commit's variants: from the cache (no request) or from the Hub (one request)."""
+    cached = cache.index.get_listing(repo_id, commit)
+    if cached is not None:
+        try:
+            return Listing.from_json(cached)
+        except (KeyError, TypeError, ValueError):
+            pass  # unreadable record: fetch again
+    if offline:
+        raise OfflineCacheMiss(
+            f"{repo_id}@{commit[:12]}: offline, and the variants of this commit are not cached",
+            hint=f"run `kernels pull {repo_id}@{commit}` while online",
+        )
+    listing = _validate_listing(repo_id, commit, hub.list_build_files(repo_id, commit))
+    try:
+        cache.ensure()
+        cache.index.put_listing(repo_id, commit, listing.to_json())
+    except OSError:
+        pass
+    return listing
+
+
+def _git_blob_sha1(size: int) -> hashlib._Hash:
+    h = hashlib.sha1()
+    h.update(f"blob {size}\0".encode())
+    return h
+
+
+def _known_sha256(cache: Cache, f: RemoteFile) -> str | None:
+    """The object for this remote file if the store already holds its bytes."""
+    if f.lfs_sha256 is not None:
+        return f.lfs_sha256 if cache.objects.has(f.lfs_sha256, f.size) else None
+    assert f.git_sha1 is not None
+    return cache.objects.alias_get("git-sha1", f.git_sha1)
+
+
+def fetch_object(
+    cache: Cache, repo_id: str, commit: str, variant: str, f: RemoteFile, progress=None
+) -> str:
+    """Download one file into the object store, verified; returns its sha256."""
+    known = _known_sha256(cache, f)
+    if known is not None:
+        return known
+    state: dict = {}
+
+    def open_sink() -> tuple[Callable[[bytes], None], Callable[[], None]]:
+        writer = cache.objects.writer()
+        git = _git_blob_sha1(f.size)
+        state["writer"], state["git"] = writer, git
+
+        def write(chunk: bytes) -> None:
+            if writer.size + len(chunk) > f.size:
+                raise IntegrityError(
+                    f"{repo_id}@{commit[:12]}: build/{variant}/{f.path} is larger than the "
+                    f"{f.size} bytes the listing promised"
+                )
+            writer.write(chunk)
+            git.update(chunk)
+
+        return write, writer.abort
+
+    path = f"build/{variant}/{f.path}"
+    try:
+        hub.download_to(repo_id, commit, path, open_sink, on_progress=progress)
+    except OSError as exc:
+        if isinstance(exc, CacheError):
+            raise
+        raise CacheError(f"cannot write to the cache at {cache.root}: {exc}") from exc
+    writer, git = state["writer"], state["git"]
+    where = f"{repo_id}@{commit[:12]}:{path}"
+    if writer.size != f.size:
+        writer.abort()
+        raise IntegrityError(f"{where}: received {writer.size} bytes, expected {f.size}")
+    try:
+        if f.lfs_sha256 is not None:
+            return writer.commit(f.lfs_sha256)
+        if git.hexdigest() != f.git_sha1:
+            writer.abort()
+            raise IntegrityError(
+                f"{where}: git blob id {git.hexdigest()} does not match the listing's {f.git_sha1}"
+            )
+        sha256 = writer.commit()
+    except DigestMismatch as exc:
+        raise IntegrityError(f"{where}: {exc}") from None
+    cache.objects.alias_put("git-sha1", f.git_sha1, sha256)
+    return sha256
+
+
+def install_variant(
+    cache: Cache,
+    repo_id: str,
+    commit: str,
+    variant: str,
+    files: tuple[RemoteFile, ...],
+    *,
+    precheck: Callable[[bytes], None] | None = None,
+    progress=None,
+) -> tuple[Manifest, Path]:
+    """Make sure the variant's tree is in the cache; returns (manifest, tree folder).
+
+    `precheck` gets the bytes of metadata.json before anything else is downloaded, and may raise
+    to stop the install (used for the GPU-arch check), leaving only that small file cached.
+    """
+    try:
+        cache.ensure()
+        lock = cache.lock(f"variant:{repo_id}:{commit}:{variant}")
+    except OSError as exc:
+        raise CacheError(f"cannot write to the cache at {cache.root}: {exc}") from exc
+    with lock:
+        done = cache.installed(repo_id, commit, variant)
+        if done is not None:
+            return done
+        cache.clean_tmp()
+        ordered = sorted(files, key=lambda f: f.path != "metadata.json")
+        entries = []
+        for f in ordered:
+            sha256 = fetch_object(cache, repo_id, commit, variant, f, progress)
+            if f.path == "metadata.json" and precheck is not None:
+                precheck(cache.objects.path(sha256).read_bytes())
+            entries.append(FileEntry(f.path, sha256, f.size))
+        manifest = Manifest(tuple(entries))
+        tree = cache.install(repo_id, commit, variant, manifest)
+        return manifest, tree

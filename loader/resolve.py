@@ -1,0 +1,101 @@
+"""Stage 2: a requested revision or version -> a 40-hex commit.
+
+Zero requests when the commit is pinned or the cache's resolution record is younger than the TTL
+(KERNELS_RESOLVE_TTL) or we are offline; one request to re-check otherwise. When the Hub cannot
+be reached, an existing record is used, with one notice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kernels.cache import Cache, ResolutionRecord
+
+from . import hub
+from .errors import HubUnavailable, OfflineCacheMiss, RevisionNotFound
+from .notices import notice_once
+from .spec import KernelSpec, parse_version_branch
+
+
+@dataclass(frozen=True)
+class Resolution:
+    repo_id: str
+    ref: str
+    commit: str
+    source: str  # "pinned", "record", "hub", "stale-record"
+
+    @property
+    def networked(self) -> bool:
+        return self.source == "hub"
+
+
+def _age_text(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
+def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Resolution:
+    """Resolve `spec` (a Hub spec with a ref) to a commit, per the rules in the module docstring."""
+    repo_id, ref = spec.repo_id, spec.ref
+    assert repo_id is not None and ref is not None
+    if spec.pinned:
+        return Resolution(repo_id, ref, ref, "pinned")
+    record = cache.records.get(repo_id, ref)
+    if record is not None and (offline or record.age() < ttl):
+        return Resolution(repo_id, ref, record.commit, "record")
+    if offline:
+        raise OfflineCacheMiss(
+            f"{repo_id}@{ref}: offline, and this revision was never resolved on this machine",
+            hint=f"run `kernels pull {repo_id}@{ref}` while online, or pin a cached commit",
+        )
+    try:
+        commit = hub.resolve_revision(repo_id, ref)
+    except HubUnavailable as exc:
+        if record is None:
+            raise
+        notice_once(
+            f"stale:{repo_id}@{ref}",
+            f"kernels: the Hub is unreachable ({exc.message}); using {repo_id}@{ref} = "
+            f"{record.commit[:12]} from the cache, checked {_age_text(record.age())} ago",
+        )
+        return Resolution(repo_id, ref, record.commit, "stale-record")
+    except RevisionNotFound as exc:
+        raise _explain_missing_revision(repo_id, ref, spec.version) from exc
+    try:
+        cache.ensure()
+        cache.records.put(ResolutionRecord(repo_id, ref, commit, time.time()))
+    except OSError:
+        pass  # a read-only cache still serves this process; nothing is lost
+    return Resolution(repo_id, ref, commit, "hub")
+
+
+def _explain_missing_revision(repo_id: str, ref: str, version: int | None) -> RevisionNotFound:
+    if version is None:
+        return RevisionNotFound(f"{repo_id} has no branch, tag or commit {ref!r}")
+    try:
+        branches = hub.list_refs(repo_id)["branches"]
+    except Exception:  # the explanation is best effort; the error below stands on its own
+        branches = {}
+    versions = sorted(v for v in (parse_version_branch(b) for b in branches) if v is not None)
+    listed = ", ".join(f"v{v}" for v in versions) if versions else "none"
+    return RevisionNotFound(
+        f"{repo_id} has no version {version} (no branch 'v{version}'); versions: {listed}",
+        hint=f"use version={versions[-1]}" if versions else None,
+    )
+
+
+def available_versions(repo_id: str) -> dict[int, str]:
+    """{N: commit} for every branch 'v<N>' of the repo (one request)."""
+    branches = hub.list_refs(repo_id)["branches"]
+    out = {}
+    for name, commit in branches.items():
+        number = parse_version_branch(name)
+        if number is not None:
+            out[number] = commit
+    return dict(sorted(out.items()))

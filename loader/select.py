@@ -1,0 +1,64 @@
+"""Stage 4: choose the build variant to import, and check it can run here.
+
+The rules and the preference order live in variants.py; this stage walks the accepted variants
+best first and checks what only the variant's files can tell: the GPU architectures in its
+metadata.json, its native libraries' ELF headers (CPU arch, GLIBC), its Python dependencies and
+the minimum `kernels` version. A variant that fails a check is added to the trace as rejected and
+the next one is tried.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from packaging.version import Version
+
+from ._version import __version__
+from .errors import MissingDependency, NoCompatibleVariant
+from .metadata import Metadata
+from .native_abi import check_native_files
+from .variants import SystemInfo, VariantRejected, check_archs
+
+NATIVE_SUFFIXES = (".so", ".pyd", ".dylib")
+
+
+def check_metadata(metadata: Metadata, system: SystemInfo, *, check_arch: bool) -> str | None:
+    """Why the variant with this metadata cannot run here, or None."""
+    if metadata.kernels_minver and Version(metadata.kernels_minver) > Version(__version__):
+        return f"needs kernels >= {metadata.kernels_minver}, this is kernels {__version__}"
+    if check_arch:
+        return check_archs(metadata.backend, system)
+    return None
+
+
+def check_native(tree: Path) -> str | None:
+    """Why the variant's native libraries cannot load here (ELF probe), or None."""
+    libs = [p for p in sorted(tree.rglob("*")) if p.is_file() and p.name.endswith(NATIVE_SUFFIXES)]
+    problems = check_native_files(libs) if libs else []
+    return "; ".join(problems) if problems else None
+
+
+def check_python_depends(metadata: Metadata, where: str) -> None:
+    """Raise MissingDependency for a declared Python dependency that cannot be imported."""
+    for dep in metadata.python_depends:
+        module = dep.replace("-", "_")
+        if importlib.util.find_spec(module) is None:
+            raise MissingDependency(
+                f"{where} needs the Python package {dep!r}, which is not installed",
+                hint=f"pip install {dep}",
+            )
+
+
+def no_variant_error(what: str, system: SystemInfo, trace: list) -> NoCompatibleVariant:
+    if not trace:
+        return NoCompatibleVariant(f"{what} has no build variants (nothing under build/)")
+    return NoCompatibleVariant(
+        f"no build variant of {what} fits this machine ({system.describe()}):", trace=trace
+    )
+
+
+def reject(trace: list, variant: str, reason: str) -> list:
+    """The trace with `variant` moved from accepted to rejected for `reason`."""
+    kept = [entry for entry in trace if entry.variant != variant]
+    return kept + [VariantRejected(variant, reason)]

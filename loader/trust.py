@@ -1,0 +1,63 @@
+"""Publisher trust: loading a kernel runs its code, so somebody must have decided to trust it.
+
+A publisher (the org of `org/name`) is trusted by `trust_remote_code=True` (or a list naming the
+repo or org), by the user's allowlist (KERNELS_TRUSTED_PUBLISHERS, `trusted_publishers` in the
+config file), or by the Hub's trusted-publisher flag. The Hub's answer is recorded in the cache,
+so offline loads keep the same decision instead of skipping the check.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kernels.cache import Cache, TrustRecord
+
+from . import hub, settings
+from .errors import HubUnavailable, UntrustedPublisher
+
+TrustArg = bool | list[str] | tuple[str, ...] | None
+
+
+def explicitly_trusted(repo_id: str, trust_remote_code: TrustArg) -> bool:
+    """True when the caller or the user's settings trust this repo without asking the Hub."""
+    publisher = repo_id.split("/", 1)[0]
+    if trust_remote_code is True:
+        return True
+    if isinstance(trust_remote_code, (list, tuple)) and (
+        repo_id in trust_remote_code or publisher in trust_remote_code
+    ):
+        return True
+    allow = settings.trusted_publishers()
+    return publisher in allow or repo_id in allow
+
+
+def ensure_trusted(
+    cache: Cache, repo_id: str, trust_remote_code: TrustArg, *, offline: bool
+) -> str:
+    """Return how the repo is trusted ("explicit", "recorded", "hub"); raise UntrustedPublisher."""
+    if explicitly_trusted(repo_id, trust_remote_code):
+        return "explicit"
+    publisher = repo_id.split("/", 1)[0]
+    record = cache.records.get_trust(publisher)
+    if record is not None and record.trusted:
+        return "recorded"
+    if offline:
+        raise UntrustedPublisher(
+            f"{repo_id}: publisher {publisher!r} is not known to be trusted, and the Hub cannot "
+            "be asked (offline)"
+            + ("; the Hub said it is not trusted when last asked" if record else "")
+        )
+    try:
+        trusted = hub.publisher_trusted(publisher)
+    except HubUnavailable:
+        raise  # a network failure is reported as one, never as a trust decision
+    try:
+        cache.ensure()
+        cache.records.put_trust(TrustRecord(publisher, trusted, "hub", time.time()))
+    except OSError:
+        pass
+    if not trusted:
+        raise UntrustedPublisher(
+            f"{repo_id}: publisher {publisher!r} is not a trusted kernel publisher"
+        )
+    return "hub"
