@@ -22,8 +22,8 @@ _EXPORTS = {
     "get_kernel_variants": "api",
     "get_loaded_kernels": "api",
     "get_kernel_dep": "api",
-    "load_kernel": "api",
-    "get_locked_kernel": "api",
+    "load_kernel": "locked",
+    "get_locked_kernel": "locked",
     "LoadedKernel": "importer",
     "RepoInfo": "importer",
     "Metadata": "metadata",
@@ -91,10 +91,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         get_kernel_variants,
         get_loaded_kernels,
         get_local_kernel,
-        get_locked_kernel,
         has_kernel,
         install_kernel,
-        load_kernel,
     )
+    from .locked import get_locked_kernel, load_kernel  # noqa: F401
     from .errors import *  # noqa: F401,F403
     from .layers import *  # noqa: F401,F403

@@ -70,6 +70,13 @@ def config_path() -> Path:
 
 def _read_config() -> dict:
     path = config_path()
+    if not path.is_file():
+        return {}
+    return load_toml(path)
+
+
+def load_toml(path: Path) -> dict:
+    """Parse a TOML file; InvalidSpec with the file's name when it is broken."""
     try:
         raw = path.read_bytes()
     except OSError:

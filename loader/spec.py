@@ -126,7 +126,9 @@ def make_spec(
     return KernelSpec(repo_id=repo_id, revision=revision, version=version, layer=layer)
 
 
-def parse_spec(text: str, *, default_version: int | None = None) -> KernelSpec:
+def parse_spec(
+    text: str, *, default_version: int | None = None, require_ref: bool = True
+) -> KernelSpec:
     """Parse 'org/repo[@rev][:Layer]' or '/abs/path[:Layer]'.
 
     '@v2' means version 2 (the branch 'v2'); '@<anything else>' is a revision. With no '@',
@@ -156,7 +158,9 @@ def parse_spec(text: str, *, default_version: int | None = None) -> KernelSpec:
             revision = ref
     elif default_version is not None:
         version = default_version
-    return make_spec(repo_id, revision=revision, version=version, layer=layer)
+    return make_spec(
+        repo_id, revision=revision, version=version, layer=layer, require_ref=require_ref
+    )
 
 
 def _split_layer(text: str, *, windows_drive: bool = False) -> tuple[str, str | None]:

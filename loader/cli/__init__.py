@@ -1,0 +1,1 @@
+"""The `kernels` command line (entry point: kernels.cli.main:main)."""

@@ -1,0 +1,145 @@
+"""`kernels ls`, `du`, `verify`, `prune`: a cache users can see and trust."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .common import human_size
+
+
+def _cache():
+    from kernels.cache import Cache
+
+    from .. import settings
+
+    return Cache(settings.cache_root())
+
+
+def add_ls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="one JSON object per installed variant")
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    cache = _cache()
+    rows = []
+    refs: dict[tuple[str, str], list[str]] = {}
+    for repo in cache.records.repos():
+        for record in cache.records.revisions(repo):
+            refs.setdefault((repo, record.commit), []).append(record.revision)
+    for repo, commit, variant, digest in cache.index.entries():
+        manifest = cache.index.get_manifest(digest)
+        rows.append(
+            {
+                "repo_id": repo,
+                "commit": commit,
+                "refs": sorted(refs.get((repo, commit), [])),
+                "variant": variant,
+                "tree": digest,
+                "files": len(manifest.files) if manifest else 0,
+                "bytes": manifest.total_size if manifest else 0,
+            }
+        )
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+        return 0
+    if not rows:
+        print(f"no kernels cached in {cache.root}")
+        return 0
+    for row in rows:
+        ref = f" ({', '.join(row['refs'])})" if row["refs"] else ""
+        print(
+            f"{row['repo_id']}@{row['commit'][:12]}{ref}  {row['variant']}  {row['files']} files  {human_size(row['bytes'])}"
+        )
+    return 0
+
+
+def add_du_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true")
+
+
+def run_du(args: argparse.Namespace) -> int:
+    cache = _cache()
+    usage = cache.usage()
+    if args.json:
+        print(json.dumps({"root": str(cache.root), **usage.__dict__}, sort_keys=True))
+    else:
+        print(f"cache: {cache.root}")
+        print(f"  {usage.repos} repos, {usage.variants} installed variants, {usage.trees} trees")
+        print(
+            f"  {usage.objects} objects, {human_size(usage.object_bytes)} (each file stored once)"
+        )
+    return 0
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="re-hash every file (default: stat stamps, re-hash what moved)",
+    )
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    cache = _cache()
+    bad = 0
+    checked = 0
+    for repo, commit, variant, check in cache.verify_all(full=args.all):
+        checked += 1
+        if not check.ok:
+            bad += 1
+            print(f"CORRUPT {repo}@{commit[:12]}/{variant}: {', '.join(check.bad)}")
+    mode = "full re-hash" if args.all else "stamps"
+    if bad:
+        print(
+            f"{bad} of {checked} variants are corrupt ({mode}); run `kernels prune` then `kernels pull` to repair"
+        )
+        return 1
+    print(f"{checked} variants verified ({mode})")
+    return 0
+
+
+def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    parser.add_argument(
+        "--lockfile",
+        action="append",
+        default=[],
+        help="also keep what this lock pins (may repeat); the nearest kernels.lock is kept too",
+    )
+
+
+def _locked_trees(cache, lockfiles: list[str]) -> set[str]:
+    """Trees whose files are exactly what a lock pins: never pruned."""
+    from ..errors import LockfileError
+    from ..lockfile import find_lockfile, read_lock
+
+    paths = [Path(p) for p in lockfiles]
+    try:
+        paths.append(find_lockfile())
+    except LockfileError:
+        pass
+    keep = set()
+    for path in paths:
+        lock = read_lock(path)
+        for entry in lock.entries:
+            for variant in cache.index.installed_variants(entry.repo_id, entry.commit):
+                manifest = cache.index.get_variant(entry.repo_id, entry.commit, variant)
+                if manifest is not None:
+                    keep.add(manifest.digest)
+    return keep
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    cache = _cache()
+    # Installed variants stay indexed, so a tree that a lock pins or a process imported is never
+    # an orphan; the lock's trees are passed explicitly as a second guard.
+    keep = _locked_trees(cache, args.lockfile)
+    report = cache.prune(keep_trees=keep, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(
+        f"{verb} {len(report.trees)} trees and {len(report.objects)} objects ({human_size(report.bytes)})"
+    )
+    return 0

@@ -1,0 +1,251 @@
+"""kernels.lock: the exact commit and file digests of every kernel a project uses.
+
+Format (schema 1, JSON):
+
+    {"schema": 1,
+     "kernels": [{"repo_id": "org/name", "requested": {"version": 1},
+                  "commit": "<40 hex>",
+                  "variants": {"torch-universal": {"<path>": "<sha256>", ...}, ...}}]}
+
+Every variant is locked, so one lock serves every platform. The reference's 0.17 format
+(`[{"dependency": {...}, "lock": {"commit"}}]`) and its <=0.16 format
+(`[{"repo_id", "sha", "variants": {...}}]`) are read too; they carry no per-file digests.
+Dependencies come from pyproject.toml: `[tool.kernels.dependencies] "org/name" = 1` (a
+version) or `= "<revision>"`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import settings
+from .errors import LockfileError
+from .spec import is_commit, make_spec, validate_repo_id
+
+SCHEMA = 1
+LOCK_NAME = "kernels.lock"
+
+
+@dataclass(frozen=True)
+class Requested:
+    version: int | None = None
+    revision: str | None = None
+
+    def to_json(self) -> dict:
+        return (
+            {"version": self.version} if self.version is not None else {"revision": self.revision}
+        )
+
+    def __str__(self) -> str:
+        return f"v{self.version}" if self.version is not None else str(self.revision)
+
+
+@dataclass(frozen=True)
+class LockEntry:
+    repo_id: str
+    requested: Requested
+    commit: str
+    variants: dict[str, dict[str, str]] | None = None  # variant -> {path: sha256}; None: no digests
+
+    def to_json(self) -> dict:
+        data = {
+            "repo_id": self.repo_id,
+            "requested": self.requested.to_json(),
+            "commit": self.commit,
+        }
+        data["variants"] = {
+            v: dict(sorted(f.items())) for v, f in sorted((self.variants or {}).items())
+        }
+        return data
+
+
+@dataclass
+class Lockfile:
+    entries: list[LockEntry] = field(default_factory=list)
+    path: Path | None = None
+    source_format: str = "kernels-1"
+
+    def find(self, repo_id: str) -> LockEntry:
+        for entry in self.entries:
+            if entry.repo_id == repo_id:
+                return entry
+        where = f" in {self.path}" if self.path else ""
+        raise LockfileError(
+            f"{repo_id} is not locked{where}",
+            hint="add it to [tool.kernels.dependencies] in pyproject.toml and run `kernels lock`",
+        )
+
+    def dumps(self) -> str:
+        entries = [e.to_json() for e in sorted(self.entries, key=lambda e: e.repo_id)]
+        return json.dumps({"schema": SCHEMA, "kernels": entries}, indent=2) + "\n"
+
+
+def _bad(path: Path | None, why: str) -> LockfileError:
+    return LockfileError(f"{path or 'lockfile'}: {why}")
+
+
+def _requested(repo_id: str, raw: object, path: Path | None) -> Requested:
+    if isinstance(raw, dict):
+        version, revision = raw.get("version"), raw.get("revision")
+    elif isinstance(raw, bool):
+        raise _bad(path, f"{repo_id}: a dependency must be a version number or a revision string")
+    elif isinstance(raw, int):
+        version, revision = raw, None
+    elif isinstance(raw, str):
+        version, revision = None, raw
+    else:
+        raise _bad(path, f"{repo_id}: a dependency must be a version number or a revision string")
+    try:
+        spec = make_spec(repo_id, version=version, revision=revision)
+    except Exception as exc:
+        raise _bad(path, f"{repo_id}: {getattr(exc, 'message', exc)}") from None
+    return Requested(spec.version, spec.revision)
+
+
+def parse_lock(text: str, path: Path | None = None) -> Lockfile:
+    """Parse a lock in this package's format or the reference's 0.16 / 0.17 formats."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise _bad(path, f"not valid JSON ({exc})") from None
+    entries: list[LockEntry] = []
+    try:
+        if isinstance(data, dict):
+            if data.get("schema") != SCHEMA:
+                raise _bad(
+                    path,
+                    f"unknown lock schema {data.get('schema')!r} (this kernels reads {SCHEMA})",
+                )
+            for item in data["kernels"]:
+                repo_id = validate_repo_id(item["repo_id"])
+                variants = {
+                    str(v): {str(p): str(s) for p, s in files.items()}
+                    for v, files in item.get("variants", {}).items()
+                }
+                entries.append(
+                    LockEntry(
+                        repo_id,
+                        _requested(repo_id, item["requested"], path),
+                        item["commit"],
+                        variants,
+                    )
+                )
+            fmt = "kernels-1"
+        elif isinstance(data, list) and all(
+            isinstance(i, dict) and "dependency" in i for i in data
+        ):
+            for item in data:  # reference 0.17
+                dep = item["dependency"]
+                repo_id = validate_repo_id(dep["repo-id"])
+                entries.append(
+                    LockEntry(
+                        repo_id,
+                        _requested(repo_id, {"version": dep["version"]}, path),
+                        item["lock"]["commit"],
+                    )
+                )
+            fmt = "reference-0.17"
+        elif isinstance(data, list):
+            for item in data:  # reference <= 0.16: no requested version was recorded
+                repo_id = validate_repo_id(item["repo_id"])
+                entries.append(LockEntry(repo_id, Requested(revision=item["sha"]), item["sha"]))
+            fmt = "reference-0.16"
+        else:
+            raise _bad(path, "expected a JSON object or list")
+    except LockfileError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise _bad(path, f"malformed entry ({type(exc).__name__}: {exc})") from None
+    for entry in entries:
+        if not is_commit(entry.commit):
+            raise _bad(path, f"{entry.repo_id}: commit {entry.commit!r} is not a 40-hex commit id")
+        for variant, files in (entry.variants or {}).items():
+            for rel, sha in files.items():
+                if len(sha) != 64 or not all(c in "0123456789abcdef" for c in sha):
+                    raise _bad(path, f"{entry.repo_id}/{variant}/{rel}: bad sha256 {sha!r}")
+    return Lockfile(entries, path, fmt)
+
+
+def read_lock(path: Path) -> Lockfile:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LockfileError(f"{path}: no such lockfile") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LockfileError(f"{path}: cannot read ({exc})") from None
+    return parse_lock(text, path)
+
+
+def write_lock(lock: Lockfile, path: Path) -> None:
+    from kernels.cache.fsutil import atomic_write_bytes
+
+    atomic_write_bytes(path, lock.dumps().encode("utf-8"))
+
+
+def read_dependencies(pyproject: Path) -> dict[str, Requested]:
+    """[tool.kernels.dependencies] of a pyproject.toml."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LockfileError(f"{pyproject}: no such file") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise LockfileError(f"{pyproject}: cannot parse ({exc})") from None
+    deps = data.get("tool", {}).get("kernels", {}).get("dependencies", {})
+    if not isinstance(deps, dict):
+        raise LockfileError(f"{pyproject}: [tool.kernels.dependencies] must be a table")
+    out = {}
+    for repo_id, raw in deps.items():
+        try:
+            validate_repo_id(repo_id)
+        except Exception as exc:
+            raise _bad(pyproject, getattr(exc, "message", str(exc))) from None
+        out[repo_id] = _requested(repo_id, raw, pyproject)
+    return out
+
+
+def find_lockfile(explicit: Path | str | None = None, start: Path | None = None) -> Path:
+    """The lock to use: explicit path, KERNELS_LOCKFILE, else the nearest kernels.lock (or a
+    pyproject.toml's folder holding one) at or above `start` (the working directory)."""
+    if explicit is not None:
+        return Path(explicit)
+    override = settings.lockfile_override()
+    if override is not None:
+        return override
+    here = Path(start or os.getcwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / LOCK_NAME
+        if candidate.is_file():
+            return candidate
+        if (folder / "pyproject.toml").is_file():
+            break  # a project root without a lock: stop, do not borrow a parent's lock
+    raise LockfileError(
+        f"no {LOCK_NAME} found at or above {here}",
+        hint="run `kernels lock` in the project, or set KERNELS_LOCKFILE",
+    )
+
+
+def stale_entries(deps: dict[str, Requested], lock: Lockfile) -> list[str]:
+    """How pyproject.toml's dependencies and the lock disagree (empty when in sync)."""
+    problems = []
+    locked = {e.repo_id: e for e in lock.entries}
+    for repo_id, requested in deps.items():
+        entry = locked.get(repo_id)
+        if entry is None:
+            problems.append(f"{repo_id} is in pyproject.toml but not in the lock")
+        elif entry.requested != requested:
+            problems.append(
+                f"{repo_id}: pyproject.toml asks for {requested}, the lock has {entry.requested}"
+            )
+        elif lock.source_format == "kernels-1" and not entry.variants:
+            problems.append(f"{repo_id}: the lock has no file digests")
+    for repo_id in locked:
+        if repo_id not in deps:
+            problems.append(f"{repo_id} is in the lock but not in pyproject.toml")
+    return problems
