@@ -141,10 +141,11 @@ def read_elf(path: str | os.PathLike) -> ElfInfo | None:
 
 
 def _parse(path: str, head: bytes, data: mmap.mmap) -> ElfInfo:
-    if len(head) < 16:
-        return ElfInfo(path, problem=f"truncated: the file has {len(head)} bytes, no ELF header")
-    bits = {1: 32, 2: 64}.get(head[4])
-    endian = {1: "little", 2: "big"}.get(head[5])
+    bits = {1: 32, 2: 64}.get(head[4]) if len(head) > 4 else None
+    endian = {1: "little", 2: "big"}.get(head[5]) if len(head) > 5 else None
+    header_size = 64 if bits == 64 else 52
+    if len(data) < header_size:
+        return ElfInfo(path, problem=f"the file ends inside the ELF header ({len(data)} bytes)")
     if bits is None or endian is None:
         return ElfInfo(path, problem=f"unknown ELF class {head[4]} or byte order {head[5]}")
     reader = _Reader(data, endian)
@@ -157,7 +158,7 @@ def _parse(path: str, head: bytes, data: mmap.mmap) -> ElfInfo:
         info["machine"] = _machine_name(e_machine, bits, endian)
         info.update(_dynamic_info(reader, bits, e_phoff, e_phentsize, e_phnum))
     except _Damaged as err:
-        return ElfInfo(path, problem=f"damaged ELF file: {err}", **info)
+        return ElfInfo(path, problem=str(err), **info)
     return ElfInfo(path, **info)
 
 
@@ -180,7 +181,9 @@ def _dynamic_info(reader: _Reader, bits: int, phoff: int, phentsize: int, phnum:
     # ld.so maps every loadable segment from the file; a shorter file is a cut-off download.
     need = max((off + size for _, off, size in loads), default=0)
     if need > reader.size:
-        raise _Damaged(f"truncated: the file has {reader.size} bytes, its segments need {need}")
+        raise _Damaged(
+            f"the file has {reader.size} bytes but its segments need {need} (cut short?)"
+        )
     if dynamic is None:
         return {}  # statically linked: nothing needed, no versions
 
@@ -359,7 +362,7 @@ def check_native_files(
                 problems.append(f"{name} is not an ELF shared library")
             continue
         if info.problem:
-            problems.append(f"{name} is damaged ({info.problem})")
+            problems.append(f"{name} is damaged: {info.problem}")
         if info.machine and info.machine != machine:
             problems.append(f"{name} is built for {info.machine} but this machine is {machine}")
         if info.glibc and glibc and info.glibc > glibc:

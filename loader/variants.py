@@ -16,7 +16,7 @@ import sysconfig
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .errors import InvalidMetadata, InvalidSpec, NoCompatibleVariant
+from .errors import InvalidMetadata, InvalidSpec
 from .native_abi import normalize_machine
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "VariantAccepted",
     "VariantRejected",
     "check_archs",
-    "choose_variant",
     "detect_system",
     "format_trace",
     "parse_variant",
@@ -316,7 +315,7 @@ def _backend_reasons(v: Variant, system: SystemInfo) -> list[str]:
     runs_on = "npu" if v.backend == "cann" else v.backend  # CANN builds run on NPU systems
     if runs_on != system.backend:
         mine = _backend_label(system.backend, system.backend_version)
-        return [f"{built} does not match this backend ({mine})"]
+        return [f"backend {built} does not match this backend {mine}"]
     have, want = system.backend_version, v.backend_version
     if want is not None:
         if have is None:
@@ -372,21 +371,6 @@ def select_variants(names: Iterable[str], system: SystemInfo) -> list[TraceEntry
     ]
     trace.extend(sorted(rejected, key=lambda r: r.variant))
     return trace
-
-
-def choose_variant(
-    names: Iterable[str], system: SystemInfo, *, what: str
-) -> tuple[str, list[TraceEntry]]:
-    """The preferred variant name and the full trace; NoCompatibleVariant (with the trace) if
-    none fits. `what` names the kernel in the message, e.g. 'kernels-community/relu@v1'."""
-    trace = select_variants(names, system)
-    if trace and isinstance(trace[0], VariantAccepted):
-        return trace[0].variant, trace
-    if not trace:
-        message = f"{what} has no build variants (no folders under build/)"
-    else:
-        message = f"no build variant of {what} fits this machine ({system.describe()}):"
-    raise NoCompatibleVariant(message, trace=trace)
 
 
 def format_trace(trace: Iterable[TraceEntry]) -> str:

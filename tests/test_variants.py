@@ -11,7 +11,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernels.errors import InvalidMetadata, InvalidSpec, NoCompatibleVariant
+from kernels.errors import InvalidMetadata, InvalidSpec
 from kernels.variants import (
     BACKENDS,
     SystemInfo,
@@ -19,7 +19,6 @@ from kernels.variants import (
     VariantAccepted,
     VariantRejected,
     check_archs,
-    choose_variant,
     detect_system,
     format_trace,
     parse_variant,
@@ -308,8 +307,8 @@ RULES = [
     (CPU, "torch-universal", OK),
     (CPU, "torch-cuda", "backend cuda does not match this backend cpu"),
     (CPU, "torch-metal", "backend metal does not match this backend cpu"),
-    (CPU, "torch213-cu130-x86_64-linux", "CUDA 13.0 does not match this backend (CPU)"),
-    (CPU, "torch213-metal-x86_64-linux", "Metal does not match this backend (CPU)"),
+    (CPU, "torch213-cu130-x86_64-linux", "backend CUDA 13.0 does not match this backend CPU"),
+    (CPU, "torch213-metal-x86_64-linux", "backend Metal does not match this backend CPU"),
     # torch major.minor must be equal
     (CPU, "torch212-cxx11-cpu-x86_64-linux", "torch 2.12 does not match this torch 2.13"),
     (CPU, "torch214-cpu-x86_64-linux", "torch 2.14 does not match this torch 2.13"),
@@ -337,7 +336,7 @@ RULES = [
     (
         CPU,
         "torch212-cxx98-cu128-x86_64-linux",
-        "torch 2.12 does not match this torch 2.13; CUDA 12.8 does not match this backend (CPU)",
+        "torch 2.12 does not match this torch 2.13; backend CUDA 12.8 does not match this backend CPU",
     ),
     # CUDA: same major, variant minor <= system minor
     (CUDA128, "torch213-cxx11-cu128-x86_64-linux", OK),
@@ -357,8 +356,12 @@ RULES = [
     ),
     (CUDA130, "torch213-cu130-x86_64-linux", OK),
     (CUDA130, "torch213-cu132-x86_64-linux", "CUDA 13.2 is newer than this CUDA 13.0"),
-    (CUDA128, "torch213-cpu-x86_64-linux", "CPU does not match this backend (CUDA 12.8)"),
-    (CUDA128, "torch213-rocm71-x86_64-linux", "ROCm 7.1 does not match this backend (CUDA 12.8)"),
+    (CUDA128, "torch213-cpu-x86_64-linux", "backend CPU does not match this backend CUDA 12.8"),
+    (
+        CUDA128,
+        "torch213-rocm71-x86_64-linux",
+        "backend ROCm 7.1 does not match this backend CUDA 12.8",
+    ),
     (CUDA128, "torch-cuda", OK),
     (CUDA128, "torch-universal", OK),
     (CUDA128, "torch-cpu", "backend cpu does not match this backend cuda"),
@@ -379,7 +382,11 @@ RULES = [
     (ROCM71, "torch213-rocm70-x86_64-linux", "ROCm 7.0 does not match this ROCm 7.1"),
     (ROCM71, "torch-rocm", OK),
     (ROCM71, "torch-cuda", "backend cuda does not match this backend rocm"),
-    (ROCM71, "torch213-cu128-x86_64-linux", "CUDA 12.8 does not match this backend (ROCm 7.1)"),
+    (
+        ROCM71,
+        "torch213-cu128-x86_64-linux",
+        "backend CUDA 12.8 does not match this backend ROCm 7.1",
+    ),
     (XPU, "torch213-xpu20251-x86_64-linux", OK),
     (XPU, "torch213-xpu20252-x86_64-linux", "XPU 2025.2 does not match this XPU 2025.1"),
     (XPU, "torch213-xpu20250-x86_64-linux", "XPU 2025.0 does not match this XPU 2025.1"),
@@ -391,10 +398,10 @@ RULES = [
     (NPU, "torch-cuda", "backend cuda does not match this backend npu"),
     (NEURON, "torch213-neuron-x86_64-linux", OK),
     (NEURON, "torch-neuron", OK),
-    (NEURON, "torch213-cpu-x86_64-linux", "CPU does not match this backend (Neuron)"),
+    (NEURON, "torch213-cpu-x86_64-linux", "backend CPU does not match this backend Neuron"),
     (TPU, "torch213-tpu-x86_64-linux", OK),
     (TPU, "torch-tpu", OK),
-    (TPU, "torch213-neuron-x86_64-linux", "Neuron does not match this backend (TPU)"),
+    (TPU, "torch213-neuron-x86_64-linux", "backend Neuron does not match this backend TPU"),
     # Metal arch builds need macOS 26; noarch Metal builds do not
     (MAC26, "torch213-metal-aarch64-darwin", OK),
     (
@@ -588,7 +595,6 @@ def test_order_does_not_depend_on_listing_order(rng):
 def test_best_variant(system, names, best):
     trace = select_variants(names, system)
     assert trace[0] == VariantAccepted(best, preferred=True)
-    assert choose_variant(names, system, what="org/kernel")[0] == best
 
 
 def test_duplicates_are_judged_once():
@@ -620,7 +626,7 @@ def test_trace_text():
             "torch-cpu: compatible",
             "torch-universal: compatible",
             "torch212-cxx11-cpu-x86_64-linux: torch 2.12 does not match this torch 2.13",
-            "torch213-cu130-x86_64-linux: CUDA 13.0 does not match this backend (CPU)",
+            "torch213-cu130-x86_64-linux: backend CUDA 13.0 does not match this backend CPU",
         ]
     )
 
@@ -634,34 +640,6 @@ def test_trace_entries_are_the_public_names():
     assert VariantRejected("x", "why").reason == "why"
     with pytest.raises(AttributeError):
         VariantAccepted("torch-cpu").variant = "other"  # frozen
-
-
-def test_choose_variant_raises_with_the_trace():
-    names = ["torch212-cxx11-cpu-x86_64-linux", "torch-cuda"]
-    with pytest.raises(NoCompatibleVariant) as info:
-        choose_variant(names, CPU, what="org/kernel@v1")
-    err = info.value
-    assert err.trace == select_variants(names, CPU)
-    assert isinstance(err, FileNotFoundError)  # transformers falls back on this
-    text = str(err)
-    assert text.startswith(
-        "no build variant of org/kernel@v1 fits this machine "
-        "(torch 2.13 (cxx11 ABI), CPU, x86_64-linux):"
-    )
-    assert "  torch212-cxx11-cpu-x86_64-linux: torch 2.12 does not match this torch 2.13" in text
-    assert "  torch-cuda: backend cuda does not match this backend cpu" in text
-    assert "hint: run `kernels env`" in text
-
-
-def test_choose_variant_without_builds():
-    with pytest.raises(NoCompatibleVariant, match="org/kernel has no build variants"):
-        choose_variant([], CPU, what="org/kernel")
-
-
-def test_choose_variant_returns_trace():
-    best, trace = choose_variant(["torch-universal", "torch-cpu"], CPU, what="org/kernel")
-    assert best == "torch-cpu"
-    assert trace == [VariantAccepted("torch-cpu", True), VariantAccepted("torch-universal")]
 
 
 # --- SystemInfo -------------------------------------------------------------------------------
