@@ -1,0 +1,101 @@
+"""The folder a mirror serves: `ROOT/<org>/<name>` git repos and the optional `kernels-mirror.toml`."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+from ..errors import InvalidSpec
+from .git import GitRepo
+
+CONFIG_NAME = "kernels-mirror.toml"
+# Org and repo names the mirror looks up. The first character rules out ".", ".." and ".git".
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def valid_name(name: str) -> bool:
+    """True when `name` can be an org or repo name (and so is safe to join under the root)."""
+    return bool(_NAME.fullmatch(name))
+
+
+def find_gitdir(path: Path) -> Path | None:
+    """The git dir of the repo at `path` (bare, or a work tree with .git), or None."""
+    dot_git = path / ".git"
+    if dot_git.is_dir():
+        return dot_git
+    if dot_git.is_file():  # a linked work tree: "gitdir: <path>"
+        try:
+            text = dot_git.read_text("utf-8").strip()
+        except OSError:
+            return None
+        if text.startswith("gitdir: "):
+            target = Path(text[8:])
+            return target if target.is_absolute() else (path / target).resolve()
+        return None
+    if (path / "HEAD").is_file() and (path / "objects").is_dir():
+        return path
+    return None
+
+
+class Mirror:
+    """Repos and settings under one root; repo readers (and their caches) live as long as this."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise NotADirectoryError(f"mirror root {self.root} is not a directory")
+        self._repos: dict[Path, GitRepo] = {}
+        self._lock = threading.Lock()
+        self._config: tuple[tuple, frozenset[str]] | None = None
+
+    def repo(self, org: str, name: str) -> GitRepo | None:
+        """The repo `org/name`, or None when the mirror does not have it."""
+        if not (valid_name(org) and valid_name(name)):
+            return None
+        for candidate in (self.root / org / name, self.root / org / f"{name}.git"):
+            gitdir = find_gitdir(candidate)
+            if gitdir is not None:
+                with self._lock:
+                    repo = self._repos.get(gitdir)
+                    if repo is None:
+                        repo = self._repos[gitdir] = GitRepo(gitdir)
+                return repo
+        return None
+
+    def has_org(self, org: str) -> bool:
+        """An org exists when its folder does."""
+        return valid_name(org) and (self.root / org).is_dir()
+
+    def trusted_publishers(self) -> frozenset[str]:
+        """`trusted_publishers` from ROOT/kernels-mirror.toml (re-read when the file changes)."""
+        path = self.root / CONFIG_NAME
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return frozenset()
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        cached = self._config
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        names = read_trusted_publishers(path)
+        self._config = (stamp, names)
+        return names
+
+
+def read_trusted_publishers(path: Path) -> frozenset[str]:
+    """Parse a kernels-mirror.toml; InvalidSpec when it is not TOML or the key has a wrong type."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    hint = f'fix {path}: it should read like trusted_publishers = ["org", ...]'
+    try:
+        data = tomllib.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidSpec(f"cannot read mirror config {path}: {exc}", hint=hint) from None
+    names = data.get("trusted_publishers", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise InvalidSpec(f"{path}: trusted_publishers must be a list of org names", hint=hint)
+    return frozenset(names)

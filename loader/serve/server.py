@@ -1,0 +1,175 @@
+"""MirrorServer: the Hub's read protocol over a folder of git repos, on a background thread."""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from socketserver import TCPServer
+from typing import Any, TextIO
+
+from .handler import MirrorHandler
+from .mirror import Mirror
+
+TreeHook = Callable[[str, str, list[dict[str, Any]]], list[dict[str, Any]]]
+FileHook = Callable[[str, str, str, bytes], bytes]
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], mirror_server: MirrorServer):
+        self.mirror_server = mirror_server
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, MirrorHandler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind looks up the FQDN, which stalls on hosts without DNS.
+        TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """Cut every open keep-alive connection, so handler threads end with the server."""
+        with self._open_lock:
+            open_now = list(self._open)
+        for sock in open_now:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # the client went away: nothing to report
+        super().handle_error(request, client_address)
+
+
+class MirrorServer:
+    """Serve `root` (`root/<org>/<name>` git repos) over HTTP, read-only, as the Hub would.
+
+    The socket is bound on construction (so `.url` is known and port clashes surface at once);
+    `start()` serves on a daemon thread. Attributes tests may set while it runs:
+    `tree_hook(repo_id, commit, entries) -> entries` rewrites tree listings before they are sent;
+    `file_hook(repo_id, commit, path, data) -> data` rewrites file bodies of GETs (HEAD metadata
+    keeps describing the true content); `lfs_redirect` picks a CDN-style 302 or inline LFS bytes;
+    `root` re-points the server at another folder (with fresh caches).
+    """
+
+    def __init__(
+        self,
+        root: Path | str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lfs_redirect: bool = True,
+        access_log: TextIO | None = None,
+    ):
+        if shutil.which("git") is None:
+            raise FileNotFoundError("kernels serve needs the `git` executable on PATH")
+        self.mirror = Mirror(root)
+        self.lfs_redirect = lfs_redirect
+        self.tree_hook: TreeHook | None = None
+        self.file_hook: FileHook | None = None
+        self.access_log = access_log
+        self._log: list[tuple[str, str]] = []
+        self._log_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._httpd = _HTTPServer((host.strip("[]"), port), self)
+
+    @property
+    def root(self) -> Path:
+        return self.mirror.root
+
+    @root.setter
+    def root(self, value: Path | str) -> None:
+        self.mirror = Mirror(value)
+
+    @property
+    def host(self) -> str:
+        return str(self._httpd.server_address[0])
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def netloc(self) -> str:
+        host = self.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The endpoint to give huggingface_hub (HF_ENDPOINT), e.g. http://127.0.0.1:41234."""
+        return f"http://{self.netloc}"
+
+    @property
+    def is_loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    def start(self) -> MirrorServer:
+        """Serve on a daemon thread; returns self."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name=f"kernels-serve:{self.port}",
+                daemon=True,
+            )
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        """Stop serving, close the socket and every open connection (returns within ~0.1 s)."""
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+        self._httpd.close_connections()
+
+    def __enter__(self) -> MirrorServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def requests(self) -> list[tuple[str, str]]:
+        """(method, request target) of every request so far, oldest first; control routes excluded."""
+        with self._log_lock:
+            return list(self._log)
+
+    def reset_requests(self) -> None:
+        with self._log_lock:
+            self._log.clear()
+
+    def _record(self, method: str, target: str) -> None:
+        with self._log_lock:
+            self._log.append((method, target))
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

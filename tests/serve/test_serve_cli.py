@@ -1,0 +1,121 @@
+"""`kernels serve DIR` as a process: the serving line, signals, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from kernels.serve import GitRepoWriter
+
+SERVING = re.compile(r"^serving (?P<dir>.+) on (?P<url>http://\S+)$")
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kernels.serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def serving_url(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline().rstrip("\n")
+    match = SERVING.match(line)
+    assert match, (
+        f"unexpected first line {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+    )
+    return match["url"]
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_serves_and_stops_on_signal(tmp_path, sig):
+    sha = GitRepoWriter(tmp_path / "org" / "relu").commit({"a.txt": "a"})
+    proc = start(str(tmp_path), "--port", "0")
+    try:
+        url = serving_url(proc)
+        assert url.startswith("http://127.0.0.1:")
+        refs = get_json(f"{url}/api/kernels/org/relu/refs")
+        assert refs["branches"] == [{"name": "main", "ref": "refs/heads/main", "targetCommit": sha}]
+        assert get_json(f"{url}/_mirror/requests")["count"] == 1
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.stderr.read() == ""
+
+
+def test_cli_line_names_the_resolved_dir(tmp_path):
+    proc = start(str(tmp_path), "--port", "0", "--no-lfs-redirect")
+    try:
+        line = proc.stdout.readline()
+        assert SERVING.match(line.rstrip("\n"))["dir"] == str(tmp_path.resolve())
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize("make", ["missing", "file"])
+def test_cli_bad_dir_is_one_line_and_exit_2(tmp_path, make):
+    target = tmp_path / "x"
+    if make == "file":
+        target.write_text("not a dir")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.serve", str(target), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "is not a readable directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_bad_config_is_refused(tmp_path):
+    (tmp_path / "kernels-mirror.toml").write_text("trusted_publishers = [1, 2]\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.serve", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and "trusted_publishers" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_warns_when_not_loopback(tmp_path):
+    proc = start(str(tmp_path), "--host", "0.0.0.0", "--port", "0")
+    try:
+        assert serving_url(proc).startswith("http://0.0.0.0:")
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+        assert "not loopback" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_main_parses_the_documented_flags():
+    from kernels.serve.cli import _parser
+
+    args = _parser().parse_args(["DIR", "--host", "::1", "--port", "0", "--no-lfs-redirect"])
+    assert (args.dir, args.host, args.port, args.no_lfs_redirect) == ("DIR", "::1", 0, True)
+    assert _parser().prog == "kernels serve"
+
+
+def test_the_package_needs_no_hub_client_or_torch():
+    code = "import sys, kernels.serve; print(sorted(m for m in ('torch', 'huggingface_hub') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
