@@ -1,0 +1,544 @@
+"""Cross-entropy over [N, V] logits with the gradient computed in the forward.
+
+Per token (row) with target y, z = softcap * tanh(x / softcap) when a softcap is set (else z = x),
+lse = log(sum_j exp(z_j)), eps = label smoothing, lam = z-loss scale (``lse_square_scale``):
+
+    loss = lse - (1 - eps) * z_y - (eps / V) * sum_j z_j + lam * lse**2
+    dloss/dz_j = softmax_j * (1 + 2 * lam * lse) - eps / V - (1 - eps) * [j == y]
+    dloss/dx_j = dloss/dz_j * (1 - (z_j / softcap)**2)
+
+Rows whose target is ``ignore_index`` contribute no loss and a zero gradient. ``mean`` divides by
+the number of other rows (or by ``num_items``); the division happens on the device, so nothing
+waits for the host.
+
+How the kernel moves the logits only twice through memory (one read, one write): each row is cut
+into chunks that separate programs reduce at the same time (running max and sum of exponentials).
+Every program publishes its partial result and bumps a per-row counter; the program that finds it
+was last combines the partials into the row's log-sum-exp and then rewrites the whole row as the
+gradient. Its re-read hits L2, because the row's chunks were all read moments before. No program
+ever waits for another, so there is no deadlock risk and the result does not depend on which
+program came last.
+
+When a gradient is needed the logits buffer is consumed: it holds the gradient afterwards
+(``inplace=True``, the default; its version counter is bumped so that autograd reports misuse).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1; torch otherwise."""
+    return t.is_cuda or (t.device.type == "cpu" and _interpreting())
+
+
+@triton.jit
+def _softcap(x, cap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        # tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at +-inf, no libdevice needed.
+        x = cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))
+    return x
+
+
+@triton.jit
+def _write_grad(
+    row_in,
+    row_out,
+    lo,
+    hi,
+    lse,
+    y,
+    scale,
+    V,
+    smoothing,
+    lse_sq_scale,
+    cap,
+    BLOCK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    STORE_POLICY: tl.constexpr,
+):
+    """Overwrite columns [lo, hi) of one row with scale * dloss/dx (a re-read that hits L2)."""
+    coef = 1.0 + 2.0 * lse_sq_scale * lse
+    off_eps = smoothing / V
+    for start in range(lo, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < hi
+        x = tl.load(row_in + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _softcap(x, cap, HAS_SOFTCAP)
+        g = tl.exp2((z - lse) * 1.4426950408889634) * coef - off_eps
+        # The target's "- (1 - eps)" is applied in fp32 before rounding to the logits dtype.
+        g = tl.where(cols == y, g - (1.0 - smoothing), g)
+        if HAS_SOFTCAP:
+            t = z / cap
+            g = g * (1.0 - t * t)
+        g = (g * scale).to(row_out.dtype.element_ty)
+        tl.store(row_out + cols, g, mask=mask, eviction_policy=STORE_POLICY)
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    logits_ptr,
+    stride_logits,
+    grad_ptr,
+    stride_grad,
+    target_ptr,
+    loss_ptr,
+    lse_ptr,
+    stats_ptr,
+    count_ptr,
+    gscale_ptr,
+    rscale_ptr,
+    n_rows,
+    V,
+    ignore_index,
+    smoothing,
+    lse_sq_scale,
+    cap,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    NC_POW2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    SPIN: tl.constexpr,
+    LOAD_POLICY: tl.constexpr,
+    STORE_POLICY: tl.constexpr,
+):
+    if SPIN:
+        # Tiles in the order programs actually start, so a program only ever waits for
+        # siblings that have started already or start next (never on the CPU interpreter,
+        # which runs programs one after another).
+        tile = tl.atomic_add(count_ptr + n_rows, 1)
+    else:
+        tile = tl.program_id(0)
+    row = tile // NUM_CHUNKS
+    chunk = tile % NUM_CHUNKS
+    row_in = logits_ptr + row.to(tl.int64) * stride_logits
+    row_out = grad_ptr + row.to(tl.int64) * stride_grad
+    y = tl.load(target_ptr + row).to(tl.int32)
+    c0 = chunk * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, V)
+    if y == ignore_index:
+        if WRITE_GRAD:
+            for start in range(c0, c1, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                zero = tl.zeros([BLOCK], dtype=tl.float32).to(row_out.dtype.element_ty)
+                tl.store(row_out + cols, zero, mask=cols < c1)
+        if chunk == 0:
+            tl.store(loss_ptr + row, 0.0)
+            tl.store(lse_ptr + row, 0.0)
+    else:
+        # Pass over this program's chunk: running max m and sum s of exp(z - m), in fp32.
+        m = -1.0e30
+        s = 0.0
+        sz = 0.0
+        for start in range(c0, c1, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < c1
+            x = tl.load(row_in + cols, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
+            z = tl.where(mask, _softcap(x.to(tl.float32), cap, HAS_SOFTCAP), float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp2((m - m_new) * 1.4426950408889634) + tl.sum(
+                tl.exp2((z - m_new) * 1.4426950408889634), 0
+            )
+            m = m_new
+            if HAS_SMOOTHING:
+                sz += tl.sum(tl.where(mask, z, 0.0), 0)
+        done = True  # this program holds the row's totals
+        if NUM_CHUNKS > 1:
+            # Publish the partials, then count in. A CTA barrier plus the counter's acq_rel
+            # atomic is the usual grid handshake: whoever sees the count complete also sees
+            # every partial of the row.
+            sbase = stats_ptr + (row.to(tl.int64) * NUM_CHUNKS + chunk) * 4
+            tl.store(sbase, m)
+            tl.store(sbase + 1, s)
+            tl.store(sbase + 2, sz)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
+            if SPIN:
+                while arrived < NUM_CHUNKS - 1:
+                    arrived = tl.atomic_add(count_ptr + row, 0, sem="acquire", scope="gpu") - 1
+            else:
+                done = arrived == NUM_CHUNKS - 1
+            tl.debug_barrier()
+            if done:
+                k = tl.arange(0, NC_POW2)
+                kmask = k < NUM_CHUNKS
+                rbase = stats_ptr + row.to(tl.int64) * NUM_CHUNKS * 4 + k * 4
+                ms = tl.load(rbase, mask=kmask, other=-1.0e30, volatile=True)
+                ss = tl.load(rbase + 1, mask=kmask, other=0.0, volatile=True)
+                m = tl.max(ms, 0)
+                s = tl.sum(ss * tl.exp2((ms - m) * 1.4426950408889634), 0)
+                if HAS_SMOOTHING:
+                    sz = tl.sum(tl.load(rbase + 2, mask=kmask, other=0.0, volatile=True), 0)
+        if done:
+            lse = m + tl.log(s)
+            owner = True  # the program that stores the row's loss
+            if SPIN:
+                owner = chunk == 0
+            if owner:
+                valid = (y >= 0) & (y < V)
+                y_safe = tl.where(valid, y, 0)
+                zy = _softcap(tl.load(row_in + y_safe).to(tl.float32), cap, HAS_SOFTCAP)
+                loss = lse - (1.0 - smoothing) * zy + lse_sq_scale * lse * lse
+                if HAS_SMOOTHING:
+                    loss -= smoothing / V * sz
+                # A target outside [0, V) that is not ignore_index: NaN loss (no host check).
+                loss = tl.where(valid, loss, float("nan"))
+                tl.store(loss_ptr + row, loss)
+                tl.store(lse_ptr + row, lse)
+            if WRITE_GRAD:
+                scale = tl.load(gscale_ptr).to(tl.float32)
+                if HAS_ROW_SCALE:
+                    scale = scale * tl.load(rscale_ptr + row).to(tl.float32)
+                # Spinning programs each rewrite their own chunk; otherwise the last one to
+                # arrive rewrites the whole row.
+                lo = 0
+                hi = V
+                if SPIN:
+                    lo = c0
+                    hi = c1
+                _write_grad(
+                    row_in,
+                    row_out,
+                    lo,
+                    hi,
+                    lse,
+                    y,
+                    scale,
+                    V,
+                    smoothing,
+                    lse_sq_scale,
+                    cap,
+                    BLOCK,
+                    HAS_SOFTCAP,
+                    STORE_POLICY,
+                )
+
+
+@triton.jit
+def _scale_kernel(x_ptr, numel, row_len, g_ptr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """x *= g over a contiguous tensor: one g, or g[i // row_len] when PER_ROW (one per row).
+
+    A block whose factor is exactly 1 returns at once, so grad_output == 1 costs no traffic and
+    no host check.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    if PER_ROW:
+        g = tl.load(g_ptr + offs // row_len, mask=mask, other=1.0).to(tl.float32)
+        skip = tl.min(tl.where(g == 1.0, 1, 0), 0) == 1
+    else:
+        g = tl.load(g_ptr).to(tl.float32)
+        skip = g == 1.0
+    if not skip:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class CEConfig:
+    """Launch shape: a row is split into ceil(V / chunk) programs that loop in `block` steps.
+
+    ``spin``: the programs of a row wait for each other (GPU only) and each writes its own chunk
+    of the gradient; otherwise the last program to finish writes the whole row.
+    ``evict``: L2 hints, keep the logits (evict_last) and stream the gradient (evict_first).
+    """
+
+    chunk: int
+    block: int
+    num_warps: int
+    spin: bool = False
+    evict: bool = False
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_config(vocab: int, device: torch.device) -> CEConfig:
+    """Launch shape for a vocabulary size (tuned on an H200 for bf16 151936-wide rows)."""
+    if device.type != "cuda":
+        # The interpreter: small blocks, and two programs per row once V > 1024 so that the
+        # multi-program path is what the CPU tests exercise by default.
+        block = min(_next_pow2(vocab), 512)
+        return CEConfig(chunk=2 * block, block=block, num_warps=4)
+    block = min(_next_pow2(vocab), 4096)
+    chunk = min(triton.cdiv(vocab, block) * block, 4 * block)
+    return CEConfig(chunk=chunk, block=block, num_warps=8)
+
+
+def ce_rows(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    *,
+    row_scale: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    config: CEConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and log-sum-exp (fp32) of [N, V] logits; when `grad` is given, write
+    ``grad_scale * row_scale[row] * dloss/dlogits`` into it (``grad`` may be ``logits`` itself).
+
+    `grad_scale` is a one-element fp32 device tensor, so a mean's 1/count needs no host sync.
+    """
+    n, vocab = logits.shape
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return loss, lse
+    if not use_triton(logits):
+        return _torch_ce_rows(
+            logits,
+            target,
+            grad,
+            grad_scale,
+            row_scale,
+            ignore_index,
+            label_smoothing,
+            lse_square_scale,
+            softcap,
+        )
+    cfg = config or default_config(vocab, logits.device)
+    num_chunks = triton.cdiv(vocab, cfg.chunk)
+    spin = cfg.spin and num_chunks > 1 and logits.is_cuda  # never spin on the interpreter
+    stats = counts = logits  # placeholders, never read when there is one chunk
+    if num_chunks > 1:
+        stats = torch.empty(n * num_chunks * 4, dtype=torch.float32, device=logits.device)
+        # One arrival counter per row, and the tile ticket after them.
+        counts = torch.zeros(n + 1, dtype=torch.int32, device=logits.device)
+    out = logits if grad is None else grad
+    _ce_fwd_kernel[(n * num_chunks,)](
+        logits,
+        logits.stride(0),
+        out,
+        out.stride(0),
+        target,
+        loss,
+        lse,
+        stats,
+        counts,
+        grad_scale,
+        grad_scale if row_scale is None else row_scale,
+        n,
+        vocab,
+        ignore_index,
+        float(label_smoothing),
+        float(lse_square_scale),
+        float(softcap) if softcap else 1.0,
+        CHUNK=cfg.chunk,
+        NUM_CHUNKS=num_chunks,
+        NC_POW2=max(2, _next_pow2(num_chunks)),
+        BLOCK=cfg.block,
+        HAS_SOFTCAP=bool(softcap),
+        HAS_SMOOTHING=label_smoothing != 0.0,
+        WRITE_GRAD=grad is not None,
+        HAS_ROW_SCALE=row_scale is not None,
+        SPIN=spin,
+        LOAD_POLICY="evict_last" if cfg.evict else "",
+        STORE_POLICY="evict_first" if cfg.evict else "",
+        num_warps=cfg.num_warps,
+    )
+    return loss, lse
+
+
+def _torch_ce_rows(
+    logits, target, grad, grad_scale, row_scale, ignore_index, smoothing, lse_sq, softcap
+):
+    """The same contract as the kernel, in torch, a few rows at a time (CPU without Triton)."""
+    n, vocab = logits.shape
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse_out = torch.empty_like(loss)
+    step = max(1, (1 << 24) // max(vocab, 1))
+    for r0 in range(0, n, step):
+        x = logits[r0 : r0 + step].float()
+        t = target[r0 : r0 + step].long()
+        z = softcap * torch.tanh(x / softcap) if softcap else x
+        lse = torch.logsumexp(z, dim=1)
+        ignored = t == ignore_index
+        valid = (t >= 0) & (t < vocab)
+        ts = torch.where(valid, t, 0)
+        zy = z.gather(1, ts[:, None])[:, 0]
+        row_loss = lse - (1.0 - smoothing) * zy + lse_sq * lse * lse
+        if smoothing:
+            row_loss = row_loss - smoothing / vocab * z.sum(1)
+        row_loss = torch.where(valid, row_loss, float("nan"))
+        loss[r0 : r0 + step] = torch.where(ignored, 0.0, row_loss)
+        lse_out[r0 : r0 + step] = torch.where(ignored, 0.0, lse)
+        if grad is None:
+            continue
+        g = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * lse_sq * lse)[:, None] - smoothing / vocab
+        g[torch.arange(len(t)), ts] -= torch.where(valid, 1.0 - smoothing, 0.0)
+        if softcap:
+            g = g * (1.0 - (z / softcap) ** 2)
+        scale = grad_scale.float().reshape(1, 1).expand(len(t), 1)
+        if row_scale is not None:
+            scale = scale * row_scale[r0 : r0 + step].float()[:, None]
+        g = torch.where(ignored[:, None], 0.0, g * scale)
+        grad[r0 : r0 + step] = g.to(grad.dtype)
+    return loss, lse_out
+
+
+def scale_rows_(grad: torch.Tensor, g: torch.Tensor) -> None:
+    """In place ``grad *= g`` for a contiguous ``grad``: g has one element, or one per row
+    (``grad.shape[0]`` of them). Blocks whose factor is exactly 1 are skipped on the device.
+    """
+    if grad.numel() == 0:
+        return
+    per_row = g.numel() != 1
+    g = g.detach().to(torch.float32).reshape(-1).contiguous()
+    if not use_triton(grad):
+        grad.mul_((g.view(-1, *[1] * (grad.dim() - 1)) if per_row else g).to(grad.dtype))
+        return
+    assert grad.is_contiguous()
+    block = 8192 if grad.is_cuda else 1 << 16
+    _scale_kernel[(triton.cdiv(grad.numel(), block),)](
+        grad,
+        grad.numel(),
+        grad.numel() // grad.shape[0],
+        g,
+        PER_ROW=per_row,
+        BLOCK=block,
+        num_warps=8,
+    )
+
+
+def grad_scale_tensor(
+    reduction: str,
+    target: torch.Tensor,
+    ignore_index: int,
+    num_items: int | float | torch.Tensor | None,
+) -> torch.Tensor:
+    """The factor a row's gradient carries for `reduction`, as a one-element fp32 device tensor."""
+    dev = target.device
+    if reduction != "mean":
+        return torch.ones(1, dtype=torch.float32, device=dev)
+    if num_items is None:
+        count = (target != ignore_index).sum(dtype=torch.float32)
+    elif isinstance(num_items, torch.Tensor):
+        count = num_items.detach().to(device=dev, dtype=torch.float32)
+    else:
+        count = torch.full((), float(num_items), dtype=torch.float32, device=dev)
+    return torch.reciprocal(count).reshape(1)
+
+
+def check_options(reduction: str, label_smoothing: float, softcap: float | None) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+
+
+def reduce_rows(loss: torch.Tensor, reduction: str, grad_scale: torch.Tensor) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total * grad_scale[0] if reduction == "mean" else total
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper: the forward writes the gradient; the backward only rescales it."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        ignore_index: int,
+        label_smoothing: float,
+        lse_square_scale: float,
+        softcap: float | None,
+        reduction: str,
+        num_items,
+        inplace: bool,
+    ) -> torch.Tensor:
+        gscale = grad_scale_tensor(reduction, target, ignore_index, num_items)
+        grad = None
+        if ctx.needs_input_grad[0]:
+            grad = logits if inplace else torch.empty_like(logits)
+        loss, _ = ce_rows(
+            logits,
+            target,
+            grad,
+            gscale,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            lse_square_scale=lse_square_scale,
+            softcap=softcap,
+        )
+        if grad is not None and inplace:
+            # Anyone who saved these logits for their own backward now gets autograd's
+            # "modified by an inplace operation" error instead of silently wrong gradients.
+            torch.autograd.graph.increment_version(logits)
+        ctx.grad = grad
+        ctx.reduction = reduction
+        return reduce_rows(loss, reduction, gscale)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            return (None,) * 9
+        scale_rows_(grad, grad_out)
+        return (grad,) + (None,) * 8
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    num_items: int | float | torch.Tensor | None = None,
+    inplace: bool = True,
+) -> torch.Tensor:
+    """Cross-entropy of ``logits[..., V]`` against integer ``target[...]``; an fp32 loss.
+
+    ``mean`` divides by the non-ignored count, or by ``num_items`` when given (transformers'
+    ``num_items_in_batch``). With ``inplace=True`` and a gradient needed, the logits buffer is
+    overwritten by the gradient during the forward (zero extra memory): do not read it afterwards.
+    """
+    check_options(reduction, label_smoothing, softcap)
+    vocab = logits.shape[-1]
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal logits shape without its last "
+            f"dimension, {tuple(logits.shape[:-1])}"
+        )
+    rows = logits.reshape(-1, vocab).contiguous()  # a view unless the rows are strided
+    loss = CrossEntropyFunction.apply(
+        rows,
+        target.reshape(-1).contiguous(),
+        ignore_index,
+        float(label_smoothing),
+        float(lse_square_scale),
+        softcap,
+        reduction,
+        num_items,
+        inplace,
+    )
+    return loss.view(target.shape) if reduction == "none" else loss

@@ -1,0 +1,242 @@
+"""Linear layer + cross-entropy without materialising the [N, V] logits.
+
+``loss = cross_entropy(hidden @ weight.T + bias, target)`` with the options of
+``cross_entropy.cross_entropy``. The tokens are cut into chunks of ``chunk_rows`` rows; for each
+chunk one [chunk_rows, V] buffer (reused) receives the logits from a cuBLAS matmul, the
+cross-entropy kernel overwrites it with d(loss)/d(logits), and two more matmuls turn it into that
+chunk's rows of d(hidden) and its contribution to d(weight). The gradients are therefore computed
+in the forward (6·N·H·V flops in all) and the backward only rescales them by grad_output, which is
+skipped on the device when grad_output is 1.
+
+Extra memory is the logits buffer (at most ``max_chunk_bytes``, 480 MiB by default) plus O(N + V)
+fp32 scratch. d(weight) is accumulated in the weight's dtype: ``addmm`` adds each chunk's fp32
+product to it and rounds once per chunk. In bf16 that costs about sqrt(chunks / 2) times the
+rounding of a single product (measured in docs/losses.md); an fp32 accumulator would be exact but
+costs 4·V·H bytes (2 GiB at V=128256, H=4096), more than the whole budget, so chunks are made as
+large as the budget allows, which also keeps the matmuls near the device's peak rate.
+
+``reduction="none"`` with a gradient needs the per-token grad_output before d(weight) can be
+summed, so that case defers all gradient work to the backward, where the logits are recomputed
+(8·N·H·V flops instead of 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cross_entropy import (
+    ce_rows,
+    check_options,
+    grad_scale_tensor,
+    reduce_rows,
+    scale_rows_,
+)
+
+MAX_CHUNK_BYTES = 480 * 2**20
+
+
+def default_chunk_rows(n: int, vocab: int, itemsize: int, max_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """Rows per chunk: the fewest equal chunks whose [rows, V] buffer fits `max_bytes`.
+
+    Rows are rounded to a multiple of 128 (a matmul tile) when the budget allows it.
+    """
+    cap = max(1, max_bytes // max(1, vocab * itemsize))
+    if cap >= 128:
+        cap = cap // 128 * 128
+    chunks = -(-n // cap)
+    rows = -(-n // chunks)
+    if cap >= 128:
+        rows = min(cap, -(-rows // 128) * 128)
+    return max(1, min(rows, n))
+
+
+@dataclass(frozen=True)
+class _Options:
+    ignore_index: int
+    label_smoothing: float
+    lse_square_scale: float
+    softcap: float | None
+    reduction: str
+    chunk_rows: int | None
+
+
+def _chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    opts: _Options,
+    gscale: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    need: tuple[bool, bool, bool],
+):
+    """Loss rows, and (when `need` asks) d(hidden), d(weight), fp32 d(bias), chunk by chunk."""
+    n = hidden.shape[0]
+    vocab = weight.shape[0]
+    need_x, need_w, need_b = need
+    write_grad = need_x or need_w or need_b
+    rows = opts.chunk_rows or default_chunk_rows(n, vocab, hidden.element_size())
+    buf = torch.empty(min(rows, n), vocab, dtype=hidden.dtype, device=hidden.device)
+    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    dx = torch.empty_like(hidden) if need_x else None
+    dw = torch.empty_like(weight) if need_w else None
+    db = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_b else None
+    wt = weight.t()
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        x = hidden[r0:r1]
+        logits = buf[: r1 - r0]
+        if bias is None:
+            torch.mm(x, wt, out=logits)
+        else:
+            torch.addmm(bias, x, wt, out=logits)
+        loss[r0:r1], _ = ce_rows(
+            logits,
+            target[r0:r1],
+            logits if write_grad else None,
+            gscale,
+            row_scale=None if row_scale is None else row_scale[r0:r1],
+            ignore_index=opts.ignore_index,
+            label_smoothing=opts.label_smoothing,
+            lse_square_scale=opts.lse_square_scale,
+            softcap=opts.softcap,
+        )
+        if need_x:
+            torch.mm(logits, weight, out=dx[r0:r1])
+        if need_w:
+            if r0 == 0:
+                torch.mm(logits.t(), x, out=dw)
+            else:
+                dw.addmm_(logits.t(), x)
+        if need_b:
+            db += logits.sum(0, dtype=torch.float32)
+    return loss, dx, dw, db
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper over `_chunked`; see the module docstring for where the work happens."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, opts: _Options, num_items):
+        need = tuple(ctx.needs_input_grad[:3])
+        gscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items)
+        ctx.opts = opts
+        ctx.deferred = opts.reduction == "none" and any(need)
+        device_type = hidden.device.type
+        with torch.autocast(device_type, enabled=False):
+            if ctx.deferred:
+                loss, *_ = _chunked(
+                    hidden, weight, bias, target, opts, gscale, None, (False, False, False)
+                )
+                ctx.save_for_backward(hidden, weight, bias, target)
+                ctx.grads = None
+                return loss
+            loss, dx, dw, db = _chunked(hidden, weight, bias, target, opts, gscale, None, need)
+        ctx.grads = (dx, dw, db)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return reduce_rows(loss, opts.reduction, gscale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.deferred:
+            hidden, weight, bias, target = ctx.saved_tensors
+            ones = torch.ones(1, dtype=torch.float32, device=hidden.device)
+            with torch.autocast(hidden.device.type, enabled=False):
+                _, dx, dw, db = _chunked(
+                    hidden,
+                    weight,
+                    bias,
+                    target,
+                    ctx.opts,
+                    ones,
+                    grad_out.detach().float().reshape(-1).contiguous(),
+                    tuple(ctx.needs_input_grad[:3]),
+                )
+            db = None if db is None else db.to(bias.dtype)
+            return dx, dw, db, None, None, None
+        (dx, dw, db), ctx.grads = ctx.grads, None
+        # Popped off ctx so that autograd can take these buffers as .grad without a copy.
+        if dx is not None:
+            scale_rows_(dx, grad_out)
+        if dw is not None:
+            scale_rows_(dw, grad_out)
+        if db is not None:
+            db = (db * grad_out.float()).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+def _gather_dtensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor (e.g. an FSDP2 shard read outside its module's hooks) as its full local value.
+
+    The gradient flows back as a Partial (sum) placement, i.e. it is reduce-scattered into the
+    shards as the sum over ranks of each rank's loss gradient.
+    """
+    if t is None or type(t).__name__ != "DTensor":
+        return t
+    from torch.distributed.tensor import Partial
+
+    return t.full_tensor(grad_placements=[Partial()] * t.device_mesh.ndim)
+
+
+@torch.compiler.disable
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    num_items: int | float | torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden[..., H] @ weight[V, H].T (+ bias)`` against ``target[...]``.
+
+    Same options and fp32 result as ``cross_entropy``; never holds more than one chunk of logits.
+    """
+    check_options(reduction, label_smoothing, softcap)
+    if target.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal hidden shape without its last "
+            f"dimension, {tuple(hidden.shape[:-1])}"
+        )
+    weight, bias = _gather_dtensor(weight), _gather_dtensor(bias)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+            f"got {tuple(weight.shape)}"
+        )
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Cast once here (differentiably), as autocast would for F.linear, not once per chunk.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(
+            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias must share a dtype; "
+            "cast them or run under torch.autocast"
+        )
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    opts = _Options(
+        ignore_index,
+        float(label_smoothing),
+        float(lse_square_scale),
+        softcap,
+        reduction,
+        chunk_rows,
+    )
+    loss = FusedLinearCrossEntropyFunction.apply(
+        rows.contiguous(),
+        weight.contiguous(),
+        bias,
+        target.reshape(-1).contiguous(),
+        opts,
+        num_items,
+    )
+    return loss.view(target.shape) if reduction == "none" else loss

@@ -1,0 +1,229 @@
+"""CrossEntropy kernel on the Triton CPU interpreter against an independent float64 reference."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from _training_refs import rel_err
+
+
+@pytest.fixture(scope="module")
+def ce(kt):
+    return importlib.import_module(f"{kt.__name__}.cross_entropy")
+
+
+def reference(
+    logits,
+    target,
+    *,
+    ignore_index=-100,
+    smoothing=0.0,
+    zloss=0.0,
+    softcap=None,
+    reduction="mean",
+    num_items=None,
+    grad_out=None,
+):
+    """float64 loss and d(loss)/d(logits) through autograd, from the textbook definitions."""
+    x = logits.detach().double().requires_grad_(True)
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    logp = torch.log_softmax(z, dim=-1)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = target != ignore_index
+    t = torch.where(valid, target, 0)
+    nll = -logp.gather(-1, t[..., None])[..., 0]
+    uniform = -logp.mean(-1)
+    per_row = (1 - smoothing) * nll + smoothing * uniform + zloss * lse**2
+    per_row = torch.where(valid, per_row, 0.0)
+    if reduction == "none":
+        loss = per_row
+    elif reduction == "sum":
+        loss = per_row.sum()
+    else:
+        denom = valid.sum().double() if num_items is None else float(num_items)
+        loss = per_row.sum() / denom
+    g = torch.ones_like(loss) if grad_out is None else grad_out.double()
+    (dx,) = torch.autograd.grad(loss, x, g)
+    return loss.detach(), dx
+
+
+def make_inputs(n, vocab, dtype, ignore_frac=0.25, ignore_index=-100, scale=4.0):
+    logits = (torch.randn(n, vocab) * scale).to(dtype)
+    target = torch.randint(0, vocab, (n,))
+    drop = torch.rand(n) < ignore_frac
+    drop[0] = True  # always at least one ignored row
+    drop[1] = False  # and at least one counted row
+    target[drop] = ignore_index
+    return logits, target
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+
+OPTIONS = [
+    {},
+    {"smoothing": 0.1},
+    {"zloss": 1e-3},
+    {"softcap": 15.0},
+    {"smoothing": 0.2, "zloss": 1e-2, "softcap": 10.0},
+]
+
+
+# Every option set with every reduction; the (dtype, vocab) pair cycles so that fp32 and bf16,
+# and a power-of-two-free vocab split over two programs per row, are each covered many times.
+PAIRS = [
+    (torch.float32, 1000),
+    (torch.bfloat16, 1531),
+    (torch.float32, 1531),
+    (torch.bfloat16, 1000),
+]
+CASES = [
+    (opts, red, *PAIRS[i % len(PAIRS)])
+    for i, (opts, red) in enumerate((o, r) for o in OPTIONS for r in ("mean", "sum", "none"))
+]
+
+
+@pytest.mark.parametrize(
+    "opts,reduction,dtype,vocab",
+    CASES,
+    ids=[f"{'-'.join(o) or 'plain'}-{r}-{str(d)[6:]}-{v}" for o, r, d, v in CASES],
+)
+def test_loss_and_grad(ce, vocab, dtype, opts, reduction):
+    logits, target = make_inputs(20, vocab, dtype)
+    grad_out = torch.rand(20) + 0.5 if reduction == "none" else torch.tensor(1.7)
+    ref_loss, ref_dx = reference(logits, target, reduction=reduction, grad_out=grad_out, **opts)
+    x = logits.clone().requires_grad_(True)
+    loss = ce.cross_entropy(
+        x,
+        target,
+        label_smoothing=opts.get("smoothing", 0.0),
+        lse_square_scale=opts.get("zloss", 0.0),
+        softcap=opts.get("softcap"),
+        reduction=reduction,
+    )
+    assert loss.dtype == torch.float32
+    assert rel_err(loss.detach(), ref_loss) < 2e-6 * (10 if dtype == torch.bfloat16 else 1) + 1e-6
+    loss.backward(grad_out)
+    assert x.grad.dtype == dtype
+    assert torch.isfinite(x.grad).all()
+    assert rel_err(x.grad, ref_dx) < TOL[dtype]
+    ignored = target == -100
+    assert (x.grad[ignored] == 0).all()
+
+
+@pytest.mark.parametrize("chunk,block", [(256, 128), (512, 512), (2048, 256)])
+def test_chunk_layouts_agree(ce, chunk, block):
+    """The multi-program row split (last arriver writes the row) equals the reference."""
+    logits, target = make_inputs(16, 1531, torch.float32, ignore_index=7)
+    ref_loss, ref_dx = reference(logits, target, ignore_index=7, smoothing=0.05, reduction="sum")
+    grad = torch.full_like(logits, float("nan"))  # poison: every element must be written
+    cfg = ce.CEConfig(chunk=chunk, block=block, num_warps=4)
+    loss, lse = ce.ce_rows(
+        logits, target, grad, torch.ones(1), ignore_index=7, label_smoothing=0.05, config=cfg
+    )
+    assert rel_err(loss.sum(), ref_loss) < 1e-6
+    assert rel_err(grad, ref_dx) < 2e-5
+    keep = target != 7
+    ref_lse = torch.logsumexp(logits.double(), -1)
+    assert rel_err(lse[keep], ref_lse[keep]) < 1e-6
+
+
+def test_inplace_consumes_logits_and_bumps_version(ce):
+    logits, target = make_inputs(12, 1000, torch.bfloat16)
+    _, ref_dx = reference(logits, target)
+    x = logits.clone().requires_grad_(True)
+    buf = x * 1.0  # a non-leaf buffer, as a model's lm_head output would be
+    version = buf._version
+    loss = ce.cross_entropy(buf, target)
+    assert buf._version > version
+    # The buffer now holds d(loss)/d(logits) already (grad_output 1 leaves it untouched).
+    assert rel_err(buf.detach(), ref_dx) < 1e-2
+    loss.backward()
+    assert rel_err(x.grad, ref_dx) < 1e-2
+
+
+def test_inplace_misuse_is_reported(ce):
+    """A tensor saved by another op's backward must not be silently overwritten."""
+    logits, target = make_inputs(8, 1000, torch.float32)
+    x = logits.clone().requires_grad_(True)
+    y = torch.exp(x)  # exp saves its output for backward
+    loss = ce.cross_entropy(y, target)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
+def test_not_inplace_keeps_logits(ce):
+    logits, target = make_inputs(12, 1531, torch.float32)
+    ref_loss, ref_dx = reference(logits, target, smoothing=0.1)
+    x = logits.clone().requires_grad_(True)
+    loss = ce.cross_entropy(x, target, label_smoothing=0.1, inplace=False)
+    assert torch.equal(x.detach(), logits)
+    loss.backward()
+    assert rel_err(loss.detach(), ref_loss) < 1e-6
+    assert rel_err(x.grad, ref_dx) < 2e-5
+
+
+def test_num_items_divisor(ce):
+    logits, target = make_inputs(16, 1000, torch.float32)
+    ref_loss, ref_dx = reference(logits, target, num_items=37)
+    for n in (37, torch.tensor(37)):
+        x = logits.clone().requires_grad_(True)
+        loss = ce.cross_entropy(x, target, num_items=n)
+        loss.backward()
+        assert rel_err(loss.detach(), ref_loss) < 1e-6
+        assert rel_err(x.grad, ref_dx) < 2e-5
+
+
+def test_no_grad_leaves_logits_untouched(ce):
+    logits, target = make_inputs(10, 1531, torch.bfloat16)
+    ref_loss, _ = reference(logits, target, zloss=1e-3)
+    x = logits.clone()
+    with torch.no_grad():
+        loss = ce.cross_entropy(x, target, lse_square_scale=1e-3)
+    assert torch.equal(x, logits)
+    assert rel_err(loss, ref_loss) < 1e-5
+
+
+def test_3d_logits_and_all_ignored(ce):
+    logits, target = make_inputs(2 * 6, 1000, torch.float32)
+    x = logits.view(2, 6, 1000).clone().requires_grad_(True)
+    loss = ce.cross_entropy(x, target.view(2, 6), reduction="none")
+    assert loss.shape == (2, 6)
+    ref_loss, _ = reference(logits, target, reduction="none")
+    assert rel_err(loss.detach().reshape(-1), ref_loss) < 1e-6
+    # Every row ignored: the mean is 0/0 like torch's, and the gradient is exactly zero.
+    y = logits.clone().requires_grad_(True)
+    loss = ce.cross_entropy(y, torch.full((12,), -100))
+    assert torch.isnan(loss)
+    loss.backward()
+    assert (y.grad == 0).all()
+
+
+def test_out_of_range_target_gives_nan(ce):
+    logits, target = make_inputs(6, 1000, torch.float32, ignore_frac=0.0)
+    target[3] = 1000
+    loss = ce.cross_entropy(logits, target, reduction="none")
+    assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(6) != 3]).all()
+
+
+def test_bad_options_raise(ce):
+    logits, target = make_inputs(4, 1000, torch.float32)
+    with pytest.raises(ValueError, match="reduction"):
+        ce.cross_entropy(logits, target, reduction="avg")
+    with pytest.raises(ValueError, match="target shape"):
+        ce.cross_entropy(logits, target[:3])
+    with pytest.raises(ValueError, match="softcap"):
+        ce.cross_entropy(logits, target, softcap=-1.0)
+
+
+def test_torch_path_matches_kernel(ce, monkeypatch):
+    """Without the interpreter (plain CPU) the torch path has the same contract."""
+    logits, target = make_inputs(12, 1531, torch.float32)
+    opts = dict(ignore_index=-100, label_smoothing=0.1, lse_square_scale=1e-3, softcap=12.0)
+    g1 = torch.empty_like(logits)
+    l1, s1 = ce.ce_rows(logits, target, g1, torch.tensor([0.5]), **opts)
+    monkeypatch.setattr(ce, "use_triton", lambda t: False)
+    g2 = torch.empty_like(logits)
+    l2, s2 = ce.ce_rows(logits, target, g2, torch.tensor([0.5]), **opts)
+    assert rel_err(l1, l2) < 1e-6 and rel_err(g1, g2) < 1e-6 and rel_err(s1, s2) < 1e-6

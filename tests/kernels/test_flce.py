@@ -1,0 +1,229 @@
+"""Fused linear + cross-entropy on the Triton CPU interpreter against a float64 reference."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+
+import pytest
+import torch
+from _training_refs import rel_err
+
+
+@pytest.fixture(scope="module")
+def fl(kt):
+    return importlib.import_module(f"{kt.__name__}.fused_linear_cross_entropy")
+
+
+def reference(
+    hidden,
+    weight,
+    bias,
+    target,
+    *,
+    ignore_index=-100,
+    smoothing=0.0,
+    zloss=0.0,
+    softcap=None,
+    reduction="mean",
+    num_items=None,
+    grad_out=None,
+):
+    """float64 loss and gradients (hidden, weight, bias) through autograd on full logits."""
+    h = hidden.detach().double().requires_grad_(True)
+    w = weight.detach().double().requires_grad_(True)
+    b = None if bias is None else bias.detach().double().requires_grad_(True)
+    x = h @ w.T + (0 if b is None else b)
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    logp = torch.log_softmax(z, dim=-1)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = target != ignore_index
+    t = torch.where(valid, target, 0)
+    per_row = (1 - smoothing) * -logp.gather(-1, t[..., None])[..., 0]
+    per_row = per_row + smoothing * -logp.mean(-1) + zloss * lse**2
+    per_row = torch.where(valid, per_row, 0.0)
+    if reduction == "none":
+        loss = per_row
+    elif reduction == "sum":
+        loss = per_row.sum()
+    else:
+        loss = per_row.sum() / (valid.sum().double() if num_items is None else float(num_items))
+    g = torch.ones_like(loss) if grad_out is None else grad_out.double()
+    grads = torch.autograd.grad(loss, [h, w] + ([] if b is None else [b]), g)
+    return loss.detach(), grads
+
+
+def make_inputs(n, hdim, vocab, dtype, bias=False, ignore_index=-100):
+    hidden = torch.randn(n, hdim).to(dtype)
+    weight = (torch.randn(vocab, hdim) * hdim**-0.5 * 3).to(dtype)
+    b = (torch.randn(vocab) * 0.5).to(dtype) if bias else None
+    target = torch.randint(0, vocab, (n,))
+    drop = torch.rand(n) < 0.25
+    drop[0], drop[1] = True, False
+    target[drop] = ignore_index
+    return hidden, weight, b, target
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+CASES = [
+    # (dtype, vocab, bias, options, reduction)
+    (torch.float32, 1000, False, {}, "mean"),
+    (torch.bfloat16, 1531, True, {}, "mean"),
+    (torch.float32, 1531, True, {"smoothing": 0.1, "zloss": 1e-3}, "sum"),
+    (torch.bfloat16, 1000, False, {"softcap": 12.0, "smoothing": 0.1}, "mean"),
+    (torch.float32, 1000, True, {"softcap": 12.0, "zloss": 1e-2}, "none"),
+    (torch.bfloat16, 1531, False, {"smoothing": 0.2}, "none"),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,vocab,bias,opts,reduction",
+    CASES,
+    ids=[
+        f"{str(d)[6:]}-{v}-{'bias' if b else 'nobias'}-{'-'.join(o) or 'plain'}-{r}"
+        for d, v, b, o, r in CASES
+    ],
+)
+def test_loss_and_grads(fl, dtype, vocab, bias, opts, reduction):
+    n = 24
+    hidden, weight, b, target = make_inputs(n, 32, vocab, dtype, bias=bias)
+    grad_out = torch.rand(n) + 0.5 if reduction == "none" else torch.tensor(0.7)
+    ref_loss, ref_grads = reference(
+        hidden, weight, b, target, reduction=reduction, grad_out=grad_out, **opts
+    )
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    bb = None if b is None else b.clone().requires_grad_(True)
+    loss = fl.fused_linear_cross_entropy(
+        h,
+        w,
+        target,
+        bb,
+        label_smoothing=opts.get("smoothing", 0.0),
+        lse_square_scale=opts.get("zloss", 0.0),
+        softcap=opts.get("softcap"),
+        reduction=reduction,
+        chunk_rows=10,  # 3 chunks, the last one partial
+    )
+    assert loss.dtype == torch.float32
+    assert rel_err(loss.detach(), ref_loss) < (1e-6 if dtype == torch.float32 else 1e-2)
+    loss.backward(grad_out)
+    got = [h.grad, w.grad] + ([] if bb is None else [bb.grad])
+    names = ["hidden", "weight", "bias"][: len(got)]
+    for name, g, r in zip(names, got, ref_grads, strict=True):
+        assert g.dtype == dtype, name
+        assert rel_err(g, r) < TOL[dtype], name
+
+
+def test_tied_weights_add_up(fl):
+    """lm_head tied to the input embedding: both uses' gradients land in the one parameter."""
+    vocab, hdim, n = 1000, 32, 24
+    emb = (torch.randn(vocab, hdim) * 0.3).requires_grad_(True)
+    ids = torch.randint(0, vocab, (n,))
+    target = torch.roll(ids, -1)
+    target[-3:] = -100
+    loss = fl.fused_linear_cross_entropy(torch.tanh(emb[ids]), emb, target, chunk_rows=10)
+    loss.backward()
+    e64 = emb.detach().double().requires_grad_(True)
+    logits = torch.tanh(e64[ids]) @ e64.T
+    ref = torch.nn.functional.cross_entropy(logits, target)
+    (ref_grad,) = torch.autograd.grad(ref, e64)
+    assert rel_err(loss.detach(), ref.detach()) < 1e-6
+    assert rel_err(emb.grad, ref_grad) < 2e-5
+
+
+def test_num_items_and_3d_hidden(fl):
+    hidden, weight, _, target = make_inputs(2 * 10, 32, 1000, torch.float32)
+    ref_loss, (ref_dh, ref_dw) = reference(hidden, weight, None, target, num_items=31)
+    h = hidden.view(2, 10, 32).clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    loss = fl.fused_linear_cross_entropy(h, w, target.view(2, 10), num_items=torch.tensor(31))
+    loss.backward()
+    assert rel_err(loss.detach(), ref_loss) < 1e-6
+    assert rel_err(h.grad.view(20, 32), ref_dh) < 2e-5 and rel_err(w.grad, ref_dw) < 2e-5
+
+
+def test_only_weight_needs_grad_and_no_grad(fl):
+    hidden, weight, _, target = make_inputs(20, 32, 1531, torch.float32)
+    ref_loss, (_, ref_dw) = reference(hidden, weight, None, target, smoothing=0.1)
+    w = weight.clone().requires_grad_(True)
+    loss = fl.fused_linear_cross_entropy(hidden, w, target, label_smoothing=0.1, chunk_rows=7)
+    loss.backward()
+    assert rel_err(w.grad, ref_dw) < 2e-5
+    with torch.no_grad():
+        loss2 = fl.fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1)
+    assert rel_err(loss2, ref_loss) < 1e-6 and rel_err(loss.detach(), ref_loss) < 1e-6
+
+
+def test_autocast_casts_once_and_grads_reach_fp32_params(fl):
+    hidden, weight, _, target = make_inputs(20, 32, 1000, torch.float32)
+    w = weight.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fl.fused_linear_cross_entropy(hidden, w, target)
+    loss.backward()
+    ref_loss, (_, ref_dw) = reference(
+        hidden.bfloat16().float(), weight.bfloat16().float(), None, target
+    )
+    assert w.grad.dtype == torch.float32
+    assert rel_err(loss.detach(), ref_loss) < 1e-2 and rel_err(w.grad, ref_dw) < 2e-2
+
+
+def test_bad_inputs_raise(fl):
+    hidden, weight, _, target = make_inputs(8, 32, 1000, torch.float32)
+    with pytest.raises(ValueError, match="share a dtype"):
+        fl.fused_linear_cross_entropy(hidden, weight.double(), target)
+    with pytest.raises(ValueError, match="weight must be"):
+        fl.fused_linear_cross_entropy(hidden, weight[:, :16], target)
+    with pytest.raises(ValueError, match="target shape"):
+        fl.fused_linear_cross_entropy(hidden, weight, target[:5])
+
+
+@pytest.mark.parametrize(
+    "n,vocab,itemsize,budget,expect",
+    [
+        (16384, 128256, 2, 480 * 2**20, 1920),  # 9 chunks: 8 x 1920 + 1024
+        (16384, 151936, 2, 480 * 2**20, 1536),
+        (1000, 50000, 2, 480 * 2**20, 1000),  # everything fits in one chunk
+        (300, 1000, 4, 40_000, 10),  # tiny budget: 10 rows, no 128 rounding
+    ],
+)
+def test_default_chunk_rows(fl, n, vocab, itemsize, budget, expect):
+    rows = fl.default_chunk_rows(n, vocab, itemsize, budget)
+    assert rows == expect
+    assert rows * vocab * itemsize <= budget or rows == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sharded_dtensor_weight_is_gathered_and_grad_flows_back(fl):
+    """An FSDP2-style Shard(0) DTensor weight (one-rank gloo group on the CPU)."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built")
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        hidden, weight, _, target = make_inputs(16, 32, 1000, torch.float32)
+        ref_loss, (ref_dh, ref_dw) = reference(hidden, weight, None, target)
+        w = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+        h = hidden.clone().requires_grad_(True)
+        loss = fl.fused_linear_cross_entropy(h, w, target)
+        loss.backward()
+        assert isinstance(w.grad, DTensor) and w.grad.placements == (Shard(0),)
+        assert rel_err(loss.detach(), ref_loss) < 1e-6
+        assert rel_err(w.grad.full_tensor(), ref_dw) < 2e-5 and rel_err(h.grad, ref_dh) < 2e-5
+    finally:
+        if started:
+            dist.destroy_process_group()
