@@ -155,6 +155,8 @@ class GitRepo:
 
     def __init__(self, gitdir: Path):
         self.gitdir = gitdir
+        self._gitdir_str = str(gitdir)
+        self.head_file = os.path.join(self._gitdir_str, "HEAD")
         self._refs: tuple[tuple, Refs] | None = None
         self._refs_lock = threading.Lock()
         self._known_commits: set[str] = set()
@@ -169,17 +171,24 @@ class GitRepo:
         stamp: list[tuple] = []
         for name in ("HEAD", "packed-refs"):
             try:
-                st = os.stat(self.gitdir / name)
+                st = os.stat(os.path.join(self._gitdir_str, name))
                 stamp.append((name, st.st_mtime_ns, st.st_size, st.st_ino))
             except FileNotFoundError:
                 stamp.append((name,))
-        for dirpath, _dirs, files in os.walk(self.gitdir / "refs"):
-            for name in (".", *files):
+        pending = [os.path.join(self._gitdir_str, "refs")]
+        while pending:
+            try:
+                entries = list(os.scandir(pending.pop()))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
                 try:
-                    st = os.stat(os.path.join(dirpath, name))
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                stamp.append((dirpath, name, st.st_mtime_ns, st.st_size, st.st_ino))
+                stamp.append((entry.path, st.st_mtime_ns, st.st_size, st.st_ino))
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
         return tuple(stamp)
 
     def refs(self) -> Refs:

@@ -46,21 +46,24 @@ class Mirror:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise NotADirectoryError(f"mirror root {self.root} is not a directory")
-        self._repos: dict[Path, GitRepo] = {}
+        self._repos: dict[tuple[str, str], GitRepo] = {}
         self._lock = threading.Lock()
         self._config: tuple[tuple, frozenset[str]] | None = None
 
     def repo(self, org: str, name: str) -> GitRepo | None:
         """The repo `org/name`, or None when the mirror does not have it."""
+        known = self._repos.get((org, name))
+        if known is not None and os.path.isfile(known.head_file):
+            return known  # still there: skip the lookup
         if not (valid_name(org) and valid_name(name)):
             return None
         for candidate in (self.root / org / name, self.root / org / f"{name}.git"):
             gitdir = find_gitdir(candidate)
             if gitdir is not None:
                 with self._lock:
-                    repo = self._repos.get(gitdir)
-                    if repo is None:
-                        repo = self._repos[gitdir] = GitRepo(gitdir)
+                    repo = self._repos.get((org, name))
+                    if repo is None or repo.gitdir != gitdir:
+                        repo = self._repos[(org, name)] = GitRepo(gitdir)
                 return repo
         return None
 
