@@ -18,7 +18,7 @@ from ._version import __version__
 from .errors import MissingDependency, NoCompatibleVariant
 from .metadata import Metadata
 from .native_abi import check_native_files
-from .variants import SystemInfo, VariantRejected, check_archs
+from .variants import SystemInfo, VariantAccepted, VariantRejected, check_archs
 
 NATIVE_SUFFIXES = (".so", ".pyd", ".dylib")
 
@@ -59,6 +59,9 @@ def no_variant_error(what: str, system: SystemInfo, trace: list) -> NoCompatible
 
 
 def reject(trace: list, variant: str, reason: str) -> list:
-    """The trace with `variant` moved from accepted to rejected for `reason`."""
-    kept = [entry for entry in trace if entry.variant != variant]
-    return kept + [VariantRejected(variant, reason)]
+    """The trace with `variant` moved from accepted to rejected for `reason`; the next accepted
+    variant becomes the preferred one."""
+    accepted = [e.variant for e in trace if isinstance(e, VariantAccepted) and e.variant != variant]
+    rejected = [e for e in trace if isinstance(e, VariantRejected)]
+    marked = [VariantAccepted(name, preferred=(i == 0)) for i, name in enumerate(accepted)]
+    return marked + rejected + [VariantRejected(variant, reason)]
