@@ -1,7 +1,8 @@
 """kernels.layers: bind kernel layers from kernel repos to the modules of a model.
 
 The reference API (Mode, Device, repositories, mappings, kernelize, decorators), plus
-`apply_kernels` (spec strings in, a `BindReport` out) and `last_report(model)`.
+`apply_kernels` (spec strings in, a `BindReport` out), `plan_kernels` (a dry run of kernelize)
+and `last_report(model)`.
 This package imports torch; `import kernels` does not import it until a name here is used.
 """
 
@@ -17,7 +18,7 @@ from .decorators import (
 from .device import CUDAProperties, Device, ROCMProperties
 from .fallback import KernelizeFallback
 from .funcs import KernelFunction
-from .kernelize import kernelize
+from .kernelize import kernelize, plan_kernels
 from .mapping import register_kernel_mapping, use_kernel_mapping
 from .mode import Mode
 from .report import BindEntry, BindReport, last_report
@@ -48,6 +49,7 @@ __all__ = [
     "apply_kernels",
     "kernelize",
     "last_report",
+    "plan_kernels",
     "register_kernel_mapping",
     "replace_kernel_forward_from_hub",
     "use_kernel_forward_from_hub",

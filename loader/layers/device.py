@@ -148,9 +148,12 @@ def resolve_target(model: nn.Module, device: object) -> Target:
     if isinstance(device, torch.device):
         return Target(type=_refine(as_device(device.type).type), index=device.index)
     if isinstance(device, str):
-        parsed = torch.device(device) if ":" in device else None
-        kind = parsed.type if parsed is not None else device
-        return Target(type=_refine(as_device(kind).type), index=parsed.index if parsed else None)
+        kind, _, index = device.partition(":")
+        if index and not index.isdigit():
+            raise InvalidSpec(
+                f"device {device!r} has a bad index", hint='use e.g. "cuda" or "cuda:1"'
+            )
+        return Target(type=_refine(as_device(kind).type), index=int(index) if index else None)
     raise InvalidSpec(
         f"device must be a str, a torch.device or a Device, got {device!r}",
         hint='pass device="cpu", "cuda", "cuda:1" or a torch.device',

@@ -252,3 +252,15 @@ def kernelize(
     returns the model. The report of what was bound is `kernels.layers.last_report(model)`."""
     run_kernelize(model, mode=mode, device=device, use_fallback=use_fallback)
     return model
+
+
+def plan_kernels(
+    model: nn.Module,
+    *,
+    mode: Mode,
+    device: Any = None,
+    use_fallback: bool | KernelizeFallback = True,
+) -> BindReport:
+    """What kernelize would do with the current mapping, without loading kernels or touching
+    the model. Entries that kernelize would raise for have the status "would raise"."""
+    return run_kernelize(model, mode=mode, device=device, use_fallback=use_fallback, dry_run=True)

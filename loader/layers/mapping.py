@@ -17,7 +17,7 @@ table for that layer and device. Modes are then tried in priority order (`candid
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -142,13 +142,18 @@ def register_kernel_mapping(mapping: Mapping[str, Any], inherit_mapping: bool = 
     _MAPPING.set((*scopes[:-1], scopes[-1].merged(entries)))
 
 
-@contextmanager
 def use_kernel_mapping(
     mapping: Mapping[str, Any], *, inherit_mapping: bool = True
-) -> Iterator[None]:
-    """Within the block, `mapping` is an overlay on the current mapping (or, with
-    inherit_mapping=False, the whole mapping); the previous mapping is restored on exit."""
-    entries = normalize(mapping)  # validate before entering, so errors point at the call
+) -> AbstractContextManager[None]:
+    """Within the `with` block, `mapping` is an overlay on the current mapping (or, with
+    inherit_mapping=False, the whole mapping); the previous mapping is restored on exit.
+
+    The mapping is validated here, so a bad one fails at the call, before the block."""
+    return _overlay(normalize(mapping), inherit_mapping)
+
+
+@contextmanager
+def _overlay(entries: Mapping[str, Any], inherit_mapping: bool) -> Iterator[None]:
     overlay = Scope(_EMPTY, overlay=True).merged(entries)
     scopes = _MAPPING.get() if inherit_mapping else ()
     token = _MAPPING.set((*scopes, overlay))

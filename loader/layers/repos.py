@@ -198,7 +198,7 @@ class LockedLayerRepository(_Repository):
         return (self.spec.repo_id, lock, self.layer_name, self._trust)
 
     def load_kernel(self) -> ModuleType:
-        from ..api import get_locked_kernel
+        from ..locked import get_locked_kernel
 
         return get_locked_kernel(
             self.spec.repo_id, lockfile=self.lockfile, trust_remote_code=self.trust_remote_code
