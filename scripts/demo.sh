@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Install (scripts/setup.sh) and run the main job: load this project's kernels from a local mirror.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python scripts/demo.py "$@"
