@@ -1,0 +1,181 @@
+"""CrossEntropy and fused Linear+CE on a CUDA GPU at real shapes, against fp32/fp64 torch references.
+
+Run in its own pytest process (tests/kernels switches Triton to its CPU interpreter):
+``python -m pytest tests/gpu/test_losses_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+VARIANT = (
+    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
+)
+
+
+@pytest.fixture(scope="module")
+def kt():
+    name = "_kernels_training_losses_gpu"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def ce(kt):
+    return importlib.import_module(f"{kt.__name__}.cross_entropy")
+
+
+@pytest.fixture(scope="module")
+def fl(kt):
+    return importlib.import_module(f"{kt.__name__}.fused_linear_cross_entropy")
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmuls():
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def targets(n: int, vocab: int, frac: float = 0.1) -> torch.Tensor:
+    t = torch.randint(0, vocab, (n,), device="cuda")
+    t[torch.rand(n, device="cuda") < frac] = -100
+    return t
+
+
+def test_ce_anchor_shape_bf16(ce):
+    """8192 x 151936 bf16 (the anchor): loss and in-place gradient vs fp32 torch."""
+    n, vocab = 8192, 151936
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    t = targets(n, vocab)
+    x32 = logits.float().requires_grad_(True)
+    ref = F.cross_entropy(x32, t)
+    (ref_grad,) = torch.autograd.grad(ref, x32)
+    del x32
+    x = logits.clone().requires_grad_(True)
+    loss = ce.cross_entropy(x, t)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert rel_err(loss, ref) < 1e-5
+    assert rel_err(grad, ref_grad) < 1e-2
+    assert (grad[t == -100] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        dict(chunk=16384, block=4096, num_warps=8, spin=False),
+        dict(chunk=16384, block=4096, num_warps=8, spin=True),
+        dict(chunk=8192, block=2048, num_warps=4, spin=True, evict=True),
+        dict(chunk=155648, block=8192, num_warps=16),
+    ],
+    ids=["default", "last-arriver", "spin", "spin-evict", "one-program-per-row"],
+)
+def test_ce_options_every_launch_shape(ce, config):
+    """Smoothing + z-loss + softcap, reduction none with per-token upstream gradients."""
+    n, vocab = 1024, 151936
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    t = targets(n, vocab)
+    g_out = torch.rand(n, device="cuda") + 0.5
+    x64 = logits.double().requires_grad_(True)
+    z = 20.0 * torch.tanh(x64 / 20.0)
+    logp = torch.log_softmax(z, -1)
+    lse = torch.logsumexp(z, -1)
+    valid = t != -100
+    per_row = 0.9 * -logp.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
+    per_row = torch.where(valid, per_row + 0.1 * -logp.mean(-1) + 1e-3 * lse**2, 0.0)
+    (ref_grad,) = torch.autograd.grad(per_row, x64, g_out.double())
+    grad = torch.full_like(logits, float("nan"))
+    cfg = None if config is None else ce.CEConfig(**config)
+    opts = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0, config=cfg)
+    loss, _ = ce.ce_rows(logits, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, **opts)
+    assert rel_err(loss, per_row) < 1e-5
+    assert rel_err(grad, ref_grad) < 1e-2
+
+
+def _flce_reference(h, w, b, t, **kw):
+    h32 = h.detach().float().requires_grad_(True)
+    w32 = w.detach().float().requires_grad_(True)
+    leaves = [h32, w32]
+    logits = h32 @ w32.t()
+    if b is not None:
+        b32 = b.detach().float().requires_grad_(True)
+        leaves.append(b32)
+        logits = logits + b32
+    loss = F.cross_entropy(logits, t, **kw)
+    return loss.detach(), torch.autograd.grad(loss, leaves)
+
+
+def test_flce_llama_head_bf16(fl):
+    """N 4096, H 4096, V 128256 bf16, several chunks: loss and grads vs fp32 torch."""
+    n, hdim, vocab = 4096, 4096, 128256
+    h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hdim, device="cuda") * hdim**-0.5 * 2).bfloat16().requires_grad_()
+    t = targets(n, vocab)
+    ref, (ref_dh, ref_dw) = _flce_reference(h, w, None, t)
+    loss = fl.fused_linear_cross_entropy(h, w, t)
+    dh, dw = torch.autograd.grad(loss * 2.5, [h, w])  # grad_output != 1 too
+    assert rel_err(loss, ref) < 1e-3
+    assert rel_err(dh, 2.5 * ref_dh) < 1e-2
+    assert rel_err(dw, 2.5 * ref_dw) < 1e-2
+
+
+def test_flce_bias_none_reduction_qwen_vocab(fl):
+    """H 1024, V 151936 with bias, smoothing; reduction none takes the recompute path."""
+    n, hdim, vocab = 2048, 1024, 151936
+    h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hdim, device="cuda") * hdim**-0.5 * 2).bfloat16().requires_grad_()
+    b = (torch.randn(vocab, device="cuda") * 0.1).bfloat16().requires_grad_()
+    t = targets(n, vocab)
+    g_out = torch.rand(n, device="cuda") + 0.5
+    h32, w32, b32 = (p.detach().float().requires_grad_(True) for p in (h, w, b))
+    ref = F.cross_entropy(h32 @ w32.t() + b32, t, reduction="none", label_smoothing=0.1)
+    ref_grads = torch.autograd.grad(ref, [h32, w32, b32], g_out)
+    loss = fl.fused_linear_cross_entropy(
+        h, w, t, b, reduction="none", label_smoothing=0.1, chunk_rows=768
+    )
+    grads = torch.autograd.grad(loss, [h, w, b], g_out)
+    assert rel_err(loss, ref) < 1e-3
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 1e-2
+
+
+def test_flce_tied_embedding(fl):
+    vocab, hdim, n = 32000, 1024, 2048
+    emb = torch.nn.Embedding(vocab, hdim, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        emb.weight.mul_(0.05)
+    ids = torch.randint(0, vocab, (n,), device="cuda")
+    t = torch.roll(ids, -1)
+    loss = fl.fused_linear_cross_entropy(emb(ids) * 0.5, emb.weight, t)
+    (dw,) = torch.autograd.grad(loss, emb.weight)
+    w32 = emb.weight.detach().float().requires_grad_(True)
+    ref = F.cross_entropy((w32[ids] * 0.5) @ w32.t(), t)
+    (ref_dw,) = torch.autograd.grad(ref, w32)
+    assert rel_err(loss, ref) < 1e-3 and rel_err(dw, ref_dw) < 1e-2
