@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
-from .routes import Request, Response, dispatch, json_response
+from .protocol import Request, Response, json_response
+from .routes import dispatch
 
 if TYPE_CHECKING:
     from .server import MirrorServer

@@ -270,3 +270,16 @@ def test_etag_matches_git(hub, relu):
     resp, _ = call(hub.url, "HEAD", f"/{REPO}/resolve/main/big.bin")
     assert resp.getheader("ETag") == f'"{out.stdout.strip()}"'
     assert resp.getheader("Content-Length") == str(len(relu.big_data))
+
+
+def test_internal_error_is_json_500_and_server_keeps_serving(hub, relu, capsys):
+    def broken(repo_id, commit, entries):
+        raise RuntimeError("hook exploded")
+
+    hub.server.tree_hook = broken
+    resp, data = call(hub.url, "GET", f"/api/models/{REPO}/tree/main")
+    assert resp.status == 500
+    assert json.loads(data) == {"error": "internal error in the mirror server"}
+    assert "hook exploded" in capsys.readouterr().err  # the traceback goes to the server's stderr
+    resp, _ = call(hub.url, "HEAD", f"/{REPO}/resolve/main/README.md")
+    assert resp.status == 200

@@ -1,0 +1,91 @@
+"""The Hub's request and response shapes, shared by the routes: typed 404s, JSON bodies."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .git import GitRepo
+
+if TYPE_CHECKING:
+    from .server import MirrorServer
+
+REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space", "kernels": "kernel"}
+_TRUE = {"1", "true", "yes", "on"}
+
+# stream(sock, write): sends exactly the response's `length` bytes after the headers.
+Stream = Callable[[socket.socket, Callable[[bytes], Any]], None]
+
+
+@dataclass
+class Request:
+    method: str  # "GET" | "HEAD"
+    path: str  # raw (percent-encoded) path, without the query string
+    query: dict[str, list[str]]
+    headers: dict[str, str]  # lower-case names
+    host: str  # the Host the client used ("127.0.0.1:8000")
+
+    def flag(self, name: str) -> bool:
+        """A boolean query parameter; case-insensitive, since requests-based clients send `True`."""
+        values = self.query.get(name)
+        return bool(values) and values[-1].strip().lower() in _TRUE
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    length: int | None = None  # set (with `stream`) when the body is streamed
+    stream: Stream | None = None
+
+
+class HubError(Exception):
+    """An error response in the Hub's shape; raised by routes, turned into a Response by dispatch."""
+
+    def __init__(
+        self, status: int, message: str, code: str | None = None, commit: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.code, self.commit = status, message, code, commit
+
+    def response(self) -> Response:
+        headers = {"X-Error-Message": _header_safe(self.message)}
+        if self.code:
+            headers["X-Error-Code"] = self.code
+        if self.commit:
+            # Lets the client cache the miss under .no_exist/<commit>/.
+            headers["X-Repo-Commit"] = self.commit
+        return json_response({"error": self.message}, self.status, headers)
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    body = json.dumps(data).encode("utf-8")
+    return Response(status, {"Content-Type": "application/json", **(headers or {})}, body)
+
+
+def route_not_found(path: str) -> HubError:
+    return HubError(404, f"no such route: {path}")
+
+
+def _header_safe(text: str) -> str:
+    return " ".join(text.split()).encode("latin-1", "replace").decode("latin-1")
+
+
+def repo_or_404(server: MirrorServer, org: str, name: str) -> GitRepo:
+    """The repo, or a RepoNotFound error."""
+    repo = server.mirror.repo(org, name)
+    if repo is None:
+        raise HubError(404, f"Repository not found: {org}/{name}", "RepoNotFound")
+    return repo
+
+
+def commit_or_404(repo: GitRepo, rev: str) -> str:
+    """The commit `rev` names, or a RevisionNotFound error."""
+    sha = repo.resolve(rev)
+    if sha is None:
+        raise HubError(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+    return sha
