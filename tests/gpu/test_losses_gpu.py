@@ -84,39 +84,6 @@ def test_ce_anchor_shape_bf16(ce):
     assert (grad[t == -100] == 0).all()
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        None,
-        dict(chunk=16384, block=4096, num_warps=8, spin=False),
-        dict(chunk=16384, block=4096, num_warps=8, spin=True),
-        dict(chunk=8192, block=2048, num_warps=4, spin=True, evict=True),
-        dict(chunk=155648, block=8192, num_warps=16),
-    ],
-    ids=["default", "last-arriver", "spin", "spin-evict", "one-program-per-row"],
-)
-def test_ce_options_every_launch_shape(ce, config):
-    """Smoothing + z-loss + softcap, reduction none with per-token upstream gradients."""
-    n, vocab = 1024, 151936
-    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
-    t = targets(n, vocab)
-    g_out = torch.rand(n, device="cuda") + 0.5
-    x64 = logits.double().requires_grad_(True)
-    z = 20.0 * torch.tanh(x64 / 20.0)
-    logp = torch.log_softmax(z, -1)
-    lse = torch.logsumexp(z, -1)
-    valid = t != -100
-    per_row = 0.9 * -logp.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
-    per_row = torch.where(valid, per_row + 0.1 * -logp.mean(-1) + 1e-3 * lse**2, 0.0)
-    (ref_grad,) = torch.autograd.grad(per_row, x64, g_out.double())
-    grad = torch.full_like(logits, float("nan"))
-    cfg = None if config is None else ce.CEConfig(**config)
-    opts = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0, config=cfg)
-    loss, _ = ce.ce_rows(logits, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, **opts)
-    assert rel_err(loss, per_row) < 1e-5
-    assert rel_err(grad, ref_grad) < 1e-2
-
-
 def _flce_reference(h, w, b, t, **kw):
     h32 = h.detach().float().requires_grad_(True)
     w32 = w.detach().float().requires_grad_(True)
@@ -177,3 +144,37 @@ def test_flce_tied_embedding(fl):
     ref = F.cross_entropy((w32[ids] * 0.5) @ w32.t(), t)
     (ref_dw,) = torch.autograd.grad(ref, w32)
     assert rel_err(loss, ref) < 1e-3 and rel_err(dw, ref_dw) < 1e-2
+
+
+# Last: a spinning variant that hung would stop only this test (run it under a timeout).
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        dict(chunk=16384, block=4096, num_warps=8, spin=False),
+        dict(chunk=16384, block=4096, num_warps=8, spin=True),
+        dict(chunk=8192, block=2048, num_warps=4, spin=True, evict=True),
+        dict(chunk=155648, block=8192, num_warps=16),
+    ],
+    ids=["default", "last-arriver", "spin", "spin-evict", "one-program-per-row"],
+)
+def test_ce_options_every_launch_shape(ce, config):
+    """Smoothing + z-loss + softcap, reduction none with per-token upstream gradients."""
+    n, vocab = 1024, 151936
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    t = targets(n, vocab)
+    g_out = torch.rand(n, device="cuda") + 0.5
+    x64 = logits.double().requires_grad_(True)
+    z = 20.0 * torch.tanh(x64 / 20.0)
+    logp = torch.log_softmax(z, -1)
+    lse = torch.logsumexp(z, -1)
+    valid = t != -100
+    per_row = 0.9 * -logp.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
+    per_row = torch.where(valid, per_row + 0.1 * -logp.mean(-1) + 1e-3 * lse**2, 0.0)
+    (ref_grad,) = torch.autograd.grad(per_row, x64, g_out.double())
+    grad = torch.full_like(logits, float("nan"))
+    cfg = None if config is None else ce.CEConfig(**config)
+    opts = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0, config=cfg)
+    loss, _ = ce.ce_rows(logits, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, **opts)
+    assert rel_err(loss, per_row) < 1e-5
+    assert rel_err(grad, ref_grad) < 1e-2
