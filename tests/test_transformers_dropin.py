@@ -265,3 +265,41 @@ def test_attn_implementation_from_a_hub_repo_runs_on_cpu(hub, saved):
     assert kernel.CALLS["varlen"] == 2  # one call per decoder layer
     keep = mask.bool()
     torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_the_shipped_training_kernels_serve_a_cpu_model_through_the_hub(hub, saved):
+    """The docs' CPU example: kernels-lab/training from a mirror of hub_kernels/, registered for
+    "cpu", bound by transformers' own kernelize, kept through train(), forward and backward."""
+    from kernels import LayerRepository
+
+    built = {
+        repo.repo_id: repo
+        for repo in hub.build(Path(__file__).resolve().parents[1] / "hub_kernels")
+    }
+    commit = built["kernels-lab/training"].commit
+    register_kernel_mapping(
+        {
+            "RMSNorm": {
+                "cpu": LayerRepository("kernels-lab/training", layer_name="RMSNorm", version=1)
+            },
+            "rotary_pos_emb": {
+                "cpu": LayerRepository(
+                    "kernels-lab/training", layer_name="rotary_pos_emb", version=1
+                )
+            },
+        }
+    )
+    reference = load(saved).train()
+    model = load(saved, use_kernels=True)
+    model.train()
+    report = last_report(model)
+    assert counts(report) == {"RMSNorm": NORMS, "rotary_pos_emb": ROTARIES}
+    assert report["model.norm"].kernel == f"kernels-lab/training@{commit}/torch-universal:RMSNorm"
+    x = tokens()
+    loss, ref_loss = model(x, labels=x).loss, reference(x, labels=x).loss
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(
+        model.model.norm.weight.grad, reference.model.norm.weight.grad, rtol=1e-4, atol=1e-5
+    )
