@@ -1,0 +1,89 @@
+"""Helpers shared by the ops: the custom-op namespace, the Triton-or-torch dispatch, row views."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import torch
+
+# The loader imports this folder under a content-derived package name; deriving the torch.library
+# namespace from it keeps two builds loaded side by side from registering the same op twice.
+NAMESPACE = re.sub(r"\W", "_", __name__.split(".")[0]).strip("_") or "kernels_training"
+
+
+def op_name(name: str) -> str:
+    """Fully qualified torch.library name of this build's op `name`."""
+    return f"{NAMESPACE}::{name}"
+
+
+def interpreting() -> bool:
+    """True when Triton's CPU interpreter is switched on for this process."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Run the Triton kernels for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a small fixed number on the CPU interpreter)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """View `x` as [rows, n] with unit stride along n (copies only when no such view exists)."""
+    rows = x.reshape(-1, n)
+    if n > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def flat(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a contiguous 1-D tensor (a view when x is already contiguous)."""
+    return x.contiguous().view(-1)
+
+
+_CHOICES: dict[tuple, dict] = {}
+
+
+def pick_config(key: tuple, candidates: list[dict], launch) -> dict:
+    """The fastest of `candidates` for `key`, timed once per process on the GPU.
+
+    `launch(cfg)` runs the kernel once with that config (it may write the real outputs; the
+    caller launches again with the winner). The first candidate is used without timing on the
+    CPU interpreter and while a CUDA graph is being captured.
+    """
+    if len(candidates) == 1 or interpreting() or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    choice = _CHOICES.get(key)
+    if choice is None:
+        for cfg in candidates:  # compile and warm every candidate first
+            launch(cfg)
+        events = []
+        for cfg in candidates:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(2_000_000)  # keeps the GPU busy while the launches are queued
+            start.record()
+            for _ in range(3):
+                launch(cfg)
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in events]
+        choice = candidates[times.index(min(times))]
+        _CHOICES[key] = choice
+    return choice

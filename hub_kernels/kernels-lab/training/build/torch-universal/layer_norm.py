@@ -1,0 +1,297 @@
+"""LayerNorm over the last dimension (torch.nn.LayerNorm numerics), forward and backward.
+
+Statistics and the affine transform are computed in fp32 and the output is rounded once to the
+input dtype, as torch's layer_norm does for half inputs. The forward keeps an fp32 mean and rstd
+per row; the backward is persistent like RMSNorm's, with fp32 dW and dB partials per program
+summed by a second small kernel. Weight and bias are optional (``elementwise_affine=False``,
+``bias=False``).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import as_rows, next_pow2, op_name, pick_config, sm_count, use_triton
+from .rms_norm import MAX_TRITON_N, bwd_candidates, column_sum, fwd_config
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, W, B, Y, MEAN, RSTD, M, N, stride_x, stride_y, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _load_rows(
+    DY, X, MEAN, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M: tl.constexpr
+):
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    return dy, x, mean, rstd
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N,
+    stride_dy, stride_x, stride_dx, rows_per_program,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    if PREFETCH:
+        dy_n, x_n, mean_n, rstd_n = _load_rows(
+            DY, X, MEAN, RSTD, row_start, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
+        )
+    for r0 in range(row_start, row_end, BLOCK_M):
+        if PREFETCH:
+            dy, x, mean, rstd = dy_n, x_n, mean_n, rstd_n
+            dy_n, x_n, mean_n, rstd_n = _load_rows(
+                DY, X, MEAN, RSTD, r0 + BLOCK_M, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
+            )
+        else:
+            dy, x, mean, rstd = _load_rows(
+                DY, X, MEAN, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
+            )
+        rows = r0 + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & cmask[None, :]
+        dy = dy.to(tl.float32)
+        xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy
+        if HAS_W:
+            g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N
+        c2 = tl.sum(g, axis=1) / N
+        dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        dx_ptr = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
+        tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            dw += tl.sum(dy * xhat, axis=0)
+        if COMPUTE_DB:
+            db += tl.sum(dy, axis=0)
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid * N + cols, dw, mask=cmask)
+    if COMPUTE_DB:
+        tl.store(DB_PART + pid * N + cols, db, mask=cmask)
+
+
+def forward(x, weight, bias, eps, cfg=None):
+    """Triton forward: (y like x, mean [rows] fp32, rstd [rows] fp32)."""
+    n = x.shape[-1]
+    x2 = as_rows(x, n)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m > 0:
+        cfg = cfg or fwd_config(m, n)
+        _layer_norm_fwd_kernel[(triton.cdiv(m, cfg["BLOCK_M"]),)](
+            x2, weight, bias, y, mean, rstd, m, n, x2.stride(0), y.stride(0), eps,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n),
+            HAS_W=weight is not None, HAS_B=bias is not None, num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    shape = x.shape[:-1]
+    return y.view(x.shape), mean.view(shape), rstd.view(shape)
+
+
+def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
+    m, n = x2.shape
+    programs = min(cfg["per_sm"] * sm_count(x2.device), triton.cdiv(m, cfg["BLOCK_M"]))
+    rows_per_program = triton.cdiv(m, programs)
+    programs = triton.cdiv(m, rows_per_program)
+    dw_part = torch.empty(
+        (programs, n) if compute_dw else (1, 1), dtype=torch.float32, device=x2.device
+    )
+    db_part = torch.empty(
+        (programs, n) if compute_db else (1, 1), dtype=torch.float32, device=x2.device
+    )
+    _layer_norm_bwd_kernel[(programs,)](
+        dy2, x2, weight, mean, rstd, dx, dw_part, db_part, m, n,
+        dy2.stride(0), x2.stride(0), dx.stride(0), rows_per_program,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), HAS_W=weight is not None,
+        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, PREFETCH=cfg["PREFETCH"],
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return dw_part, db_part
+
+
+def backward(dy, x, weight, mean, rstd, compute_dw, compute_db, cfg=None):
+    """Triton backward: (dx, dW or empty, dB or empty)."""
+    n = x.shape[-1]
+    x2, dy2 = as_rows(x, n), as_rows(dy, n)
+    m = x2.shape[0]
+    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
+        return dx.view(x.shape), dw, x.new_zeros(n) if compute_db else x.new_empty(0)
+    mean, rstd = mean.reshape(-1), rstd.reshape(-1)
+    if cfg is None:
+        key = ("ln_bwd", m.bit_length(), n, x.dtype, dy.dtype, x.device, compute_dw, compute_db)
+        cfg = pick_config(
+            key,
+            bwd_candidates(m, n),
+            lambda c: _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, c),
+        )
+    dw_part, db_part = _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg)
+    # Distinct empty tensors: a custom op's outputs may not alias each other.
+    dw = column_sum(dw_part, weight.dtype) if compute_dw else x.new_empty(0)
+    return dx.view(x.shape), dw, column_sum(db_part, dy.dtype) if compute_db else x.new_empty(0)
+
+
+def _torch_backward(dy, x, weight, mean, rstd, compute_dw, compute_db):
+    n = x.shape[-1]
+    xhat = (x.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    g = dy.float() * weight.float() if weight is not None else dy.float()
+    c1 = (g * xhat).mean(-1, keepdim=True)
+    c2 = g.mean(-1, keepdim=True)
+    dx = ((g - xhat * c1 - c2) * rstd.unsqueeze(-1)).to(x.dtype)
+    dw = (
+        (dy.float() * xhat).reshape(-1, n).sum(0).to(weight.dtype) if compute_dw else x.new_empty(0)
+    )
+    db = dy.float().reshape(-1, n).sum(0).to(dy.dtype) if compute_db else x.new_empty(0)
+    return dx, dw, db
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return use_triton(x) and x.shape[-1] <= MAX_TRITON_N
+
+
+def _forward_any(x, weight, bias, eps):
+    if _use_triton(x):
+        return forward(x, weight, bias, eps)
+    xf = x.float()
+    mean = xf.mean(-1)
+    rstd = torch.rsqrt(xf.var(-1, unbiased=False) + eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).contiguous(), mean, rstd
+
+
+def _backward_any(dy, x, weight, mean, rstd, compute_dw, compute_db):
+    if _use_triton(x):
+        return backward(dy, x, weight, mean, rstd, compute_dw, compute_db)
+    return _torch_backward(dy, x, weight, mean, rstd, compute_dw, compute_db)
+
+
+@torch.library.custom_op(op_name("layer_norm_fwd"), mutates_args=())
+def layer_norm_fwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses Optional[...]
+    bias: Optional[torch.Tensor],  # noqa: UP045
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_any(x, weight, bias, eps)
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return x.new_empty(x.shape), stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op(op_name("layer_norm_bwd"), mutates_args=())
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    compute_dw: bool,
+    compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_any(dy, x, weight, mean, rstd, compute_dw, compute_db)
+
+
+@layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, compute_dw, compute_db):
+    n = x.shape[-1]
+    dw = torch.empty_like(weight) if compute_dw else x.new_empty(0)
+    db = dy.new_empty(n) if compute_db else x.new_empty(0)
+    return x.new_empty(x.shape), dw, db
+
+
+def _grad_flags(ctx, weight, has_bias):
+    need = ctx.needs_input_grad
+    return weight is not None and need[1], has_bias and need[2]
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _eps = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    compute_dw, compute_db = _grad_flags(ctx, weight, ctx.bias_dtype is not None)
+    dx, dw, db = layer_norm_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
+    return dx, (dw if compute_dw else None), (db.to(ctx.bias_dtype) if compute_db else None), None
+
+
+layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """The eager path: the same kernels without the custom-op dispatch cost on every call."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = _forward_any(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        compute_dw, compute_db = _grad_flags(ctx, weight, ctx.bias_dtype is not None)
+        dx, dw, db = _backward_any(dy, x, weight, mean, rstd, compute_dw, compute_db)
+        return (
+            dx,
+            (dw if compute_dw else None),
+            (db.to(ctx.bias_dtype) if compute_db else None),
+            None,
+        )
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """LayerNorm of `x` over its last dim with optional affine weight and bias."""
+    if torch.compiler.is_compiling():
+        return layer_norm_fwd(x, weight, bias, float(eps))[0]
+    return _LayerNormFunction.apply(x, weight, bias, float(eps))

@@ -1,0 +1,145 @@
+"""Benchmark the training kernels against their peers in one run (GPU only).
+
+Collects `cases(small)` from the modules in CASE_MODULES (a module not written yet is skipped),
+measures the copy and matmul ceilings, times every implementation of every case, and prints one
+markdown table last. With --out DIR it also writes kernels.json, kernels.md (date, GPU, versions)
+and kernels.png.
+
+    python scripts/bench_kernels.py --ops rmsnorm,rope --out docs/benchmarks
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CASE_MODULES = ["bench_cases_elementwise", "bench_cases_losses"]
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect(small: bool, ops: list[str]) -> tuple[list, list[str]]:
+    """Cases from every available module, filtered by op (case-insensitive substring)."""
+    found, notes = [], []
+    for name in CASE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            notes.append(f"{name}: not present, skipped")
+            continue
+        for case in module.cases(small):
+            key = case.op.lower().replace(" ", "")
+            if not ops or any(o in key for o in ops):
+                found.append(case)
+    return found, notes
+
+
+def environment() -> dict:
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "liger-kernel": _version("liger-kernel"),
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Grouped bars: fwd+bwd time of each implementation relative to the case's floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["op"], r["shape"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, ax = plt.subplots(figsize=(12, 0.55 * len(cases) * max(1, len(impls) / 3) + 1.5))
+    height = 0.8 / len(impls)
+    for j, impl in enumerate(impls):
+        ys, xs = [], []
+        for i, case in enumerate(cases):
+            for r in rows:
+                if (r["op"], r["shape"]) == case and r["impl"] == impl and "error" not in r:
+                    if r.get("floor_ms"):
+                        ys.append(i + j * height)
+                        xs.append(r["floor_ms"] / r["fwd_bwd_ms"])
+        ax.barh(ys, xs, height=height, label=impl)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(cases))])
+    ax.set_yticklabels([f"{op}\n{shape}" for op, shape in cases], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("floor / measured fwd+bwd time (1.0 = at the copy-bandwidth or matmul floor)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="", help="comma-separated op filter, e.g. rmsnorm,rope")
+    parser.add_argument(
+        "--out", type=Path, help="folder for kernels.json / kernels.md / kernels.png"
+    )
+    parser.add_argument("--small", action="store_true", help="only the small, launch-bound shapes")
+    args = parser.parse_args(argv)
+
+    import torch
+    from bench_harness import format_table, measure_ceilings, run_case
+
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    # Every case compiles its own eager module; keep Dynamo from falling back to eager.
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+
+    ops = [o.strip().lower().replace(" ", "") for o in args.ops.split(",") if o.strip()]
+    cases, notes = collect(args.small, ops)
+    env = environment()
+    ceil = measure_ceilings()
+    rows = []
+    for case in cases:
+        case_rows = run_case(case, ceil)
+        rows += case_rows
+        for r in case_rows:
+            t = r.get("error") or f"fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms"
+            print(f"{case.op} | {case.shape} | {r['impl']}: {t}", flush=True)
+    table = format_table(rows, ceil)
+    header = " ".join(f"{k} {v};" for k, v in env.items())
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "kernels.json", "w") as fh:
+            json.dump(
+                {"env": env, "ceilings": ceil.__dict__, "rows": rows, "notes": notes}, fh, indent=1
+            )
+        (args.out / "kernels.md").write_text(f"{header}\n\n{table}\n")
+        try:
+            plot(rows, args.out / "kernels.png")
+        except ImportError as exc:
+            notes.append(f"no plot: {exc}")
+    for note in notes:
+        print(note)
+    print(header)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""float64 references written from the formulas, independent of the kernels' own torch paths."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN anywhere counts as infinitely wrong)."""
+    out = out.detach().double()
+    ref = ref.detach().double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def tol(dtype: torch.dtype) -> float:
+    """Relative tolerance against a float64 reference: fp32 ~1e-5, half types ~1e-2."""
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def assert_close(out, ref, dtype, what: str, factor: float = 1.0) -> None:
+    err = rel_err(out, ref)
+    assert err <= tol(dtype) * factor, (
+        f"{what}: relative error {err:.3e} > {tol(dtype) * factor:.1e}"
+    )
+
+
+def leaf64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().double().requires_grad_(t.requires_grad)
+
+
+def rms_norm64(x, w, eps, gemma=False):
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * rstd * ((1.0 + w) if gemma else w)
+
+
+def layer_norm64(x, w, b, eps):
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).pow(2).mean(-1, keepdim=True)
+    y = (x - mean) / torch.sqrt(var + eps)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y
+
+
+def rope64(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+    def rot(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+def silu64(x):
+    return x / (1.0 + torch.exp(-x))
+
+
+def gelu64(x, approximate):
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))

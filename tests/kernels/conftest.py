@@ -1,0 +1,64 @@
+"""Fixtures for the CPU correctness tests of the training kernels (hub_kernels/kernels-lab/training).
+
+Triton's interpreter runs the kernels on CPU tensors. It must be switched on before triton is
+first imported, so this module sets TRITON_INTERPRET=1 at import time; run tests/gpu in its own
+pytest process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib.util  # noqa: E402
+import itertools  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+VARIANT = (
+    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
+)
+_counter = itertools.count()
+
+
+def _check_interpreter() -> None:
+    import triton.language.standard as standard
+
+    if type(standard.sum).__name__ != "InterpretedFunction":
+        raise pytest.UsageError(
+            "triton was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; "
+            "run tests/kernels in its own pytest process or export TRITON_INTERPRET=1"
+        )
+
+
+def load_variant(name: str | None = None):
+    """Import the training kernel variant folder as a fresh package (a unique name each call)."""
+    _check_interpreter()
+    name = name or f"_kernels_training_test{next(_counter)}"
+    spec = importlib.util.spec_from_file_location(
+        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def kt():
+    """The kernel package under test (switch to the project loader here, in one place)."""
+    return load_variant()
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Fresh inputs per test: seeded from the test id, or from KERNEL_TEST_SEED when set."""
+    seed = int(os.environ.get("KERNEL_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
+    torch.manual_seed(seed)
+    print(f"seed={seed} (rerun with KERNEL_TEST_SEED={seed})")
+    return seed

@@ -1,0 +1,77 @@
+"""LayerNorm (torch.nn.LayerNorm contract) on the Triton interpreter against float64 references."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from _training_refs import DTYPES, assert_close, layer_norm64, leaf64
+
+SHAPES = [(7, 77), (37, 1000), (1, 64), (3, 5000), (2, 3, 128)]
+
+
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_grads(kt, shape, dtype, affine):
+    n = shape[-1]
+    x = (torch.randn(shape, dtype=dtype) * 2 + 0.5).requires_grad_()
+    w = (torch.randn(n, dtype=dtype) * 0.5 + 1).requires_grad_() if affine != "none" else None
+    b = torch.randn(n, dtype=dtype).requires_grad_() if affine == "weight+bias" else None
+    y = kt.layer_norm(x, w, b, 1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64 = leaf64(x)
+    w64 = leaf64(w) if w is not None else None
+    b64 = leaf64(b) if b is not None else None
+    layer_norm64(x64, w64, b64, 1e-5).backward(dy.double())
+    assert_close(y, layer_norm64(x64.detach(), w64, b64, 1e-5), dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    if w is not None:
+        assert_close(w.grad, w64.grad, dtype, "dw")
+    if b is not None:
+        assert_close(b.grad, b64.grad, dtype, "db")
+
+
+def test_non_contiguous_input(kt):
+    x = torch.randn(30, 2, 50)[:, 1, :].requires_grad_()
+    w, b = torch.randn(50, requires_grad=True), torch.randn(50, requires_grad=True)
+    y = kt.layer_norm(x, w, b, 1e-5)
+    y.backward(torch.ones_like(y))
+    x64, w64, b64 = leaf64(x), leaf64(w), leaf64(b)
+    layer_norm64(x64, w64, b64, 1e-5).sum().backward()
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+    assert_close(w.grad, w64.grad, torch.float32, "dw")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_bound_on_nn_layernorm(kt, dtype):
+    ref = torch.nn.LayerNorm(200).to(dtype)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    mod = torch.nn.LayerNorm(200).to(dtype)
+    mod.load_state_dict(ref.state_dict())
+    mod.forward = types.MethodType(kt.layers.LayerNorm.forward, mod)
+    x = torch.randn(3, 7, 200, dtype=dtype)
+    y_ref, y = ref(x), mod(x)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(y, y_ref, rtol=2 * eps, atol=2 * eps * y_ref.abs().max().item())
+
+
+def test_every_backward_candidate(kt):
+    """The GPU picks among these geometries by timing; each one must be correct (prefetch too)."""
+    mod = sys.modules[kt.__name__ + ".layer_norm"]
+    x = torch.randn(45, 1000, dtype=torch.bfloat16)
+    w, b = torch.randn(1000, dtype=torch.bfloat16), torch.randn(1000, dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    _, mean, rstd = mod.forward(x, w, b, 1e-5)
+    x64, w64, b64 = (leaf64(t.requires_grad_()) for t in (x, w, b))
+    layer_norm64(x64, w64, b64, 1e-5).backward(dy.double())
+    for cfg in mod.bwd_candidates(45, 1000):
+        dx, dw, db = mod.backward(dy, x.detach(), w.detach(), mean, rstd, True, True, cfg)
+        assert_close(dx, x64.grad, torch.bfloat16, f"dx {cfg}")
+        assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")
+        assert_close(db, b64.grad, torch.bfloat16, f"db {cfg}")

@@ -1,0 +1,169 @@
+"""RMSNorm (Llama/Qwen3 and Gemma numerics) on the Triton interpreter against float64 references."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from _training_refs import DTYPES, assert_close, leaf64, rms_norm64
+
+# (shape, how x is laid out): awkward widths, one row, a long row, q/k-norm 4-D, non-contiguous.
+CASES = [
+    ((7, 77), "contiguous"),
+    ((37, 1000), "contiguous"),
+    ((1, 64), "contiguous"),
+    ((3, 5000), "contiguous"),
+    ((2, 3, 4, 128), "contiguous"),
+    ((9, 96), "row-strided"),
+    ((2, 5, 3, 32), "transposed"),
+]
+
+
+def make_x(shape, layout, dtype):
+    if layout == "row-strided":  # a column slice: rows 2*N apart
+        base = torch.randn(shape[0], 2 * shape[-1], dtype=dtype)
+        x = base[:, : shape[-1]]
+    elif layout == "transposed":  # [B, H, T, D] view of a [B, T, H, D] tensor
+        b, t, h, d = shape
+        x = torch.randn(b, h, t, d, dtype=dtype).transpose(1, 2)
+    else:
+        x = torch.randn(shape, dtype=dtype)
+    return x.requires_grad_()
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,layout", CASES, ids=[f"{s}-{lay}" for s, lay in CASES])
+def test_forward_and_grads(kt, shape, layout, dtype, gemma):
+    x = make_x(shape, layout, dtype)
+    w = (torch.randn(shape[-1], dtype=dtype) * 0.5 + (0.0 if gemma else 1.0)).requires_grad_()
+    y = kt.rms_norm(x, w, 1e-6, gemma=gemma)
+    assert y.dtype == dtype and y.shape == x.shape
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    x64, w64 = leaf64(x), leaf64(w)
+    y64 = rms_norm64(x64, w64, 1e-6, gemma)
+    y64.backward(dy.double())
+    assert_close(y, y64, dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    assert_close(w.grad, w64.grad, dtype, "dw")
+
+
+def test_fp32_weight_with_half_input_promotes_like_hf(kt):
+    """Llama numerics: bf16 x with an fp32 weight gives an fp32 output, as HF's module does."""
+    x = torch.randn(6, 200, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(200, dtype=torch.float32, requires_grad=True)
+    y = kt.rms_norm(x, w, 1e-5)
+    assert y.dtype == torch.float32
+    y.backward(torch.ones_like(y))
+    x64, w64 = leaf64(x), leaf64(w)
+    y64 = rms_norm64(x64, w64, 1e-5)
+    y64.backward(torch.ones_like(y64))
+    assert_close(y, y64, torch.bfloat16, "y")
+    assert_close(x.grad, x64.grad, torch.bfloat16, "dx")
+    assert_close(w.grad, w64.grad, torch.bfloat16, "dw")
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+
+
+def test_frozen_weight_gets_no_grad(kt):
+    x = torch.randn(5, 48, requires_grad=True)
+    w = torch.randn(48)
+    kt.rms_norm(x, w, 1e-6).sum().backward()
+    x64 = leaf64(x)
+    rms_norm64(x64, w.double(), 1e-6).sum().backward()
+    assert w.grad is None
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+
+
+def test_torch_path_without_interpreter(kt, monkeypatch):
+    """CPU tensors take plain torch ops when the interpreter is off; same results."""
+    x = torch.randn(4, 3, 40, requires_grad=True)
+    w = torch.randn(40, requires_grad=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    y = kt.rms_norm(x, w, 1e-6)
+    y.backward(torch.ones_like(y))
+    x64, w64 = leaf64(x), leaf64(w)
+    y64 = rms_norm64(x64, w64, 1e-6)
+    y64.backward(torch.ones_like(y64))
+    assert_close(y, y64, torch.float32, "y")
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+    assert_close(w.grad, w64.grad, torch.float32, "dw")
+
+
+def _tiny_config(cls, **extra):
+    return cls(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=1, vocab_size=32, rms_norm_eps=1e-6, **extra,
+    )  # fmt: skip
+
+
+def _hf_norms():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return {
+        "Qwen3RMSNorm": (Qwen3RMSNorm, "RMSNorm"),
+        "LlamaRMSNorm": (LlamaRMSNorm, "RMSNorm"),
+        "GemmaRMSNorm": (GemmaRMSNorm, "GemmaRMSNorm"),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["Qwen3RMSNorm", "LlamaRMSNorm", "GemmaRMSNorm"])
+def test_layer_bound_on_hf_module(kt, name, dtype):
+    """The layer's forward bound onto the HF module matches the module's own forward in its dtype."""
+    cls, layer = _hf_norms()[name]
+    ref = cls(120, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(120) * 0.3 + (0.0 if "Gemma" in name else 1.0))
+    mod = cls(120, eps=1e-6).to(dtype)
+    mod.load_state_dict(ref.state_dict())
+    mod.forward = types.MethodType(getattr(kt.layers, layer).forward, mod)
+
+    x = torch.randn(3, 11, 120, dtype=dtype)
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y = ref(xr), mod(xo)
+    assert y.dtype == y_ref.dtype
+    # Same numerics in the module's dtype: at most one rounding step apart.
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(y, y_ref, rtol=eps, atol=eps * y_ref.abs().max().item())
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64 = leaf64(xo)
+    w64 = ref.weight.detach().double().requires_grad_()
+    y64 = rms_norm64(x64, w64, 1e-6, gemma="Gemma" in name)
+    y64.backward(dy.double())
+    assert_close(xo.grad, x64.grad, dtype, "dx")
+    assert_close(mod.weight.grad, w64.grad, dtype, "dw")
+
+
+def test_qwen3_attention_q_norm_over_head_dim(kt):
+    """Qwen3's q_norm normalizes [B, T, H, D] over D; the bound layer does the same."""
+    from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    attn = Qwen3Attention(_tiny_config(Qwen3Config), layer_idx=0)
+    x = torch.randn(2, 5, 4, 16)
+    ref = attn.q_norm(x)
+    attn.q_norm.forward = types.MethodType(kt.layers.RMSNorm.forward, attn.q_norm)
+    torch.testing.assert_close(attn.q_norm(x), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(45, 1000), (70, 128)], ids=str)
+def test_every_backward_candidate(kt, shape):
+    """The GPU picks among these geometries by timing; each one must be correct (prefetch too)."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    w = torch.randn(shape[-1], dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    _, rstd = mod.forward(x, w, 1e-6, False)
+    x64, w64 = leaf64(x.requires_grad_()), leaf64(w.requires_grad_())
+    rms_norm64(x64, w64, 1e-6).backward(dy.double())
+    for cfg in mod.bwd_candidates(*shape):
+        dx, dw = mod.backward(dy, x.detach(), w.detach(), rstd, False, True, cfg)
+        assert_close(dx, x64.grad, torch.bfloat16, f"dx {cfg}")
+        assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")

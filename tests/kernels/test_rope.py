@@ -1,0 +1,113 @@
+"""RoPE for q and k (transformers' apply_rotary_pos_emb contract) on the Triton interpreter."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from _training_refs import DTYPES, assert_close, leaf64, rope64
+
+# (B, T, Hq, Hk, D, cos batch): GQA, MHA, one token, head_dim whose half is not a power of two.
+CASES = [
+    (2, 7, 4, 2, 16, "B"),
+    (1, 1, 3, 1, 8, "B"),
+    (2, 5, 8, 8, 128, "1"),
+    (3, 4, 6, 2, 80, "B"),
+]
+
+
+def make_inputs(b, t, hq, hk, d, cos_batch, dtype, layout):
+    if layout == "transposed":  # what transformers passes: [B, H, T, D] views of [B, T, H, D]
+        q = torch.randn(b, t, hq, d, dtype=dtype).transpose(1, 2)
+        k = torch.randn(b, t, hk, d, dtype=dtype).transpose(1, 2)
+    else:
+        q = torch.randn(b, hq, t, d, dtype=dtype)
+        k = torch.randn(b, hk, t, d, dtype=dtype)
+    angles = torch.randn(b if cos_batch == "B" else 1, t, d // 2) * 3
+    emb = torch.cat((angles, angles), dim=-1)
+    return q.requires_grad_(), k.requires_grad_(), emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def check(q, k, cos, sin, qo, ko, unsqueeze_dim, dtype):
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    torch.autograd.backward((qo, ko), (dq, dk))
+    q64, k64 = leaf64(q), leaf64(k)
+    qr, kr = rope64(q64, k64, cos.double(), sin.double(), unsqueeze_dim)
+    torch.autograd.backward((qr, kr), (dq.double(), dk.double()))
+    assert_close(qo, qr, dtype, "q_embed")
+    assert_close(ko, kr, dtype, "k_embed")
+    assert_close(q.grad, q64.grad, dtype, "dq")
+    assert_close(k.grad, k64.grad, dtype, "dk")
+
+
+@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_forward_and_grads(kt, case, dtype, layout):
+    q, k, cos, sin = make_inputs(*case, dtype, layout)
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()  # laid out like eager's
+    check(q, k, cos, sin, qo, ko, 1, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unsqueeze_dim_2_bthd(kt, dtype):
+    """q/k as [B, T, H, D] with unsqueeze_dim=2."""
+    q = torch.randn(2, 6, 4, 32, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 6, 2, 32, dtype=dtype, requires_grad=True)
+    cos, sin = torch.randn(2, 6, 32, dtype=dtype), torch.randn(2, 6, 32, dtype=dtype)
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    check(q, k, cos, sin, qo, ko, 2, dtype)
+
+
+def test_arbitrary_cos_sin_halves(kt):
+    """No cat(freqs, freqs) layout is assumed: distinct halves of cos/sin are honoured."""
+    q = torch.randn(1, 3, 5, 16, requires_grad=True)
+    k = torch.randn(1, 1, 5, 16, requires_grad=True)
+    cos, sin = torch.randn(1, 5, 16), torch.randn(1, 5, 16)
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+    check(q, k, cos, sin, qo, ko, 1, torch.float32)
+
+
+def test_unsupported_layout_falls_back_to_torch(kt):
+    """3-D q/k are outside the kernel's contract; the torch formula still answers correctly."""
+    q = torch.randn(5, 3, 16, requires_grad=True)
+    k = torch.randn(5, 3, 16, requires_grad=True)
+    cos, sin = torch.randn(5, 16), torch.randn(5, 16)
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    check(q, k, cos, sin, qo, ko, 1, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_matches_transformers_function(kt, dtype):
+    """The rotary_pos_emb layer bound onto a module matches transformers' function in its dtype."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    hf = modeling_qwen3.apply_rotary_pos_emb
+    holder = torch.nn.Module()
+    holder.forward = types.MethodType(kt.layers.rotary_pos_emb.forward, holder)
+    q, k, cos, sin = make_inputs(2, 9, 4, 2, 64, "B", dtype, "transposed")
+    qo, ko = holder(q, k, cos, sin)
+    qr, kr = hf(q, k, cos, sin)
+    # Eager rounds q*cos and rotate_half(q)*sin separately; we round once: two roundings apart.
+    eps = torch.finfo(dtype).eps
+    for out, ref in ((qo, qr), (ko, kr)):
+        torch.testing.assert_close(out, ref, rtol=2 * eps, atol=2 * eps * ref.abs().max().item())
+
+
+def test_every_launch_candidate(kt):
+    """The GPU picks among these geometries by timing; each one must be correct."""
+    mod = sys.modules[kt.__name__ + ".rope"]
+    q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
+    qr, kr = rope64(q.double(), k.double(), cos.double(), sin.double())
+    for cfg in mod.rope_candidates(4, 2, 16):
+        for backward in (False, True):
+            qo, ko = mod.rotate(q.detach(), k.detach(), cos, sin, 1, backward, cfg)
+            if backward:  # the inverse rotation undoes the forward one
+                qo, ko = mod.rotate(qo, ko, cos, sin, 1, False, cfg)
+                assert_close(qo, q, torch.float32, f"q roundtrip {cfg}", factor=100)
+                continue
+            assert_close(qo, qr, torch.float32, f"q {cfg}")
+            assert_close(ko, kr, torch.float32, f"k {cfg}")
