@@ -208,32 +208,21 @@ def tune_ce(n: int = 8192, vocab: int = 151936, spin: bool = True) -> tuple[obje
     logits = torch.randn(n, vocab, device="cuda", dtype=DT)
     target = _targets(n, vocab)
     one = torch.ones(1, device="cuda")
-    shapes = []
-    for chunk, block, warps in [
-        (8192, 2048, 4),
-        (16384, 4096, 8),
-        (16384, 2048, 4),
-        (32768, 4096, 8),
-        (32768, 8192, 16),
-    ]:
-        shapes.append(ce.CEConfig(chunk, block, warps))
-    shapes += [
+    shapes = [
+        # one pass: a chunk is one block held in registers; the row's programs wait for each
+        # other, then each writes its own chunk of the gradient
+        ce.CEConfig(4096, 4096, 4, spin=True),
+        ce.CEConfig(8192, 8192, 4, spin=True),
+        ce.CEConfig(8192, 8192, 8, spin=True),
+        ce.CEConfig(8192, 8192, 16, spin=True),
+        ce.CEConfig(16384, 16384, 8, spin=True),
+        ce.CEConfig(16384, 16384, 16, spin=True),
+        # for comparison: the best two-read shapes of the first sweep
+        ce.CEConfig(8192, 2048, 4, spin=True),
         ce.CEConfig(16384, 4096, 8, evict=True),
-        ce.CEConfig(155648, 8192, 16),  # one program per row, for comparison
     ]
-    if spin:
-        for chunk, block, warps in [
-            (8192, 2048, 4),
-            (8192, 4096, 8),
-            (16384, 4096, 8),
-            (16384, 2048, 4),
-            (32768, 4096, 8),
-        ]:
-            shapes.append(ce.CEConfig(chunk, block, warps, spin=True))
-        shapes += [
-            ce.CEConfig(16384, 4096, 8, spin=True, evict=True),
-            ce.CEConfig(8192, 2048, 4, spin=True, evict=True),
-        ]
+    if not spin:
+        shapes = [c for c in shapes if not c.spin]
     rows = []
     for cfg in shapes:
         row = {"config": repr(cfg)}
@@ -292,7 +281,7 @@ def tune_flce(shapes=((16384, 4096, 128256), (16384, 1024, 151936))) -> tuple[di
         del eager_dh, eager_dw, h32, w32
         torch.cuda.empty_cache()
         cap = fl.default_chunk_rows(n, vocab, 2)
-        for rows_per_chunk in sorted({512, 1024, 1536, cap, 2048}):
+        for rows_per_chunk in sorted({512, 1024, cap, 2048}):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -356,6 +345,45 @@ def _with_deadline(impl: Impl, deadline: float) -> Impl:
     return Impl(impl.name, make)
 
 
+def _breakdown_one(n: int, hdim: int, vocab: int) -> dict:
+    ce = _ours("cross_entropy")
+    fl = _ours("fused_linear_cross_entropy")
+    c = fl.default_chunk_rows(n, vocab, 2)
+    x = torch.randn(c, hdim, device="cuda", dtype=DT)
+    w = torch.randn(vocab, hdim, device="cuda", dtype=DT) * hdim**-0.5
+    t = _targets(c, vocab)
+    buf = torch.empty(c, vocab, device="cuda", dtype=DT)
+    dx = torch.empty_like(x)
+    dw = torch.zeros_like(w)
+    one = torch.ones(1, device="cuda")
+    torch.mm(x, w.t(), out=buf)
+    parts = {
+        "logits = x W^T": lambda: torch.mm(x, w.t(), out=buf),
+        "CE kernel (in place)": lambda: ce.ce_rows(buf, t, buf, one),
+        "dX = G W": lambda: torch.mm(buf, w, out=dx),
+        "dW += G^T x": lambda: dw.addmm_(buf.t(), x),
+    }
+    chunks = -(-n // c)
+    row = {"shape": (n, hdim, vocab), "chunk_rows": c, "chunks": chunks}
+    for name, fn in parts.items():
+        ms = _bench(fn)
+        row[name + " ms"] = ms
+        if name != "CE kernel (in place)":
+            row[name + " TFLOP/s"] = 2 * c * hdim * vocab / ms / 1e9
+    row["sum x chunks ms"] = chunks * sum(row[k + " ms"] for k in parts)
+    return row
+
+
+def breakdown(shapes=((16384, 4096, 128256), (16384, 1024, 151936))) -> list[dict]:
+    """Where one FLCE chunk's time goes: the three matmuls and the CE kernel, timed apart."""
+    rows = []
+    for shape in shapes:
+        rows.append(_breakdown_one(*shape))
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="only the small shapes")
@@ -391,6 +419,7 @@ def main() -> None:
         ce = _ours("cross_entropy")
         ce.default_config = lambda vocab, device, c=cfg: c  # the cases below use the winner
         chunk_rows, fl_rows = tune_flce()
+        parts = breakdown()
         print("tuned:", cfg, chunk_rows, flush=True)
         if out:
             (out / "tune.json").write_text(
@@ -399,6 +428,7 @@ def main() -> None:
                         "env": env,
                         "ce": ce_rows,
                         "flce": fl_rows,
+                        "flce_breakdown": parts,
                         "chosen": {"ce": repr(cfg), "flce": repr(chunk_rows)},
                     },
                     indent=1,

@@ -152,11 +152,11 @@ def test_flce_tied_embedding(fl):
     [
         None,
         dict(chunk=16384, block=4096, num_warps=8, spin=False),
-        dict(chunk=16384, block=4096, num_warps=8, spin=True),
+        dict(chunk=16384, block=16384, num_warps=16, spin=True),
         dict(chunk=8192, block=2048, num_warps=4, spin=True, evict=True),
         dict(chunk=155648, block=8192, num_warps=16),
     ],
-    ids=["default", "last-arriver", "spin", "spin-evict", "one-program-per-row"],
+    ids=["default", "last-arriver", "spin-one-pass", "spin-two-reads", "one-program-per-row"],
 )
 def test_ce_options_every_launch_shape(ce, config):
     """Smoothing + z-loss + softcap, reduction none with per-token upstream gradients."""

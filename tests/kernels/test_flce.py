@@ -151,8 +151,10 @@ def test_only_weight_needs_grad_and_no_grad(fl):
     loss = fl.fused_linear_cross_entropy(hidden, w, target, label_smoothing=0.1, chunk_rows=7)
     loss.backward()
     assert rel_err(w.grad, ref_dw) < 2e-5
+    w2 = weight.clone().requires_grad_(True)
     with torch.no_grad():
-        loss2 = fl.fused_linear_cross_entropy(hidden, weight, target, label_smoothing=0.1)
+        loss2 = fl.fused_linear_cross_entropy(hidden, w2, target, label_smoothing=0.1)
+    assert loss2.grad_fn is None and w2.grad is None
     assert rel_err(loss2, ref_loss) < 1e-6 and rel_err(loss.detach(), ref_loss) < 1e-6
 
 
@@ -182,10 +184,11 @@ def test_bad_inputs_raise(fl):
 @pytest.mark.parametrize(
     "n,vocab,itemsize,budget,expect",
     [
-        (16384, 128256, 2, 480 * 2**20, 1920),  # 9 chunks: 8 x 1920 + 1024
-        (16384, 151936, 2, 480 * 2**20, 1536),
-        (1000, 50000, 2, 480 * 2**20, 1000),  # everything fits in one chunk
-        (300, 1000, 4, 40_000, 10),  # tiny budget: 10 rows, no 128 rounding
+        (16384, 128256, 2, 504 * 2**20, 2048),  # 8 equal chunks of 2048 (501 MiB)
+        (16384, 151936, 2, 504 * 2**20, 1640),  # 10 chunks, the last 1624 rows
+        (1000, 50000, 2, 504 * 2**20, 1000),  # everything fits in one chunk
+        (300, 1000, 4, 40_000, 10),  # budget of exactly 10 rows: 30 chunks
+        (100, 1000, 4, 44_000, 10),  # 11 rows fit; 10 equal chunks of 10
     ],
 )
 def test_default_chunk_rows(fl, n, vocab, itemsize, budget, expect):

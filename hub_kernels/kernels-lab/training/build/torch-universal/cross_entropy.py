@@ -25,6 +25,7 @@ When a gradient is needed the logits buffer is consumed: it holds the gradient a
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -32,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -54,6 +54,18 @@ def _softcap(x, cap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _grad(p, z, cols, y, scale, coef, smoothing, off_eps, cap, HAS_SOFTCAP: tl.constexpr):
+    """scale * dloss/dx from the softmax p and the (capped) logits z of one block."""
+    g = p * coef - off_eps
+    # The target's "- (1 - eps)" is applied in fp32 before rounding to the logits dtype.
+    g = tl.where(cols == y, g - (1.0 - smoothing), g)
+    if HAS_SOFTCAP:
+        t = z / cap
+        g = g * (1.0 - t * t)
+    return g * scale
+
+
+@triton.jit
 def _write_grad(
     row_in,
     row_out,
@@ -70,7 +82,7 @@ def _write_grad(
     HAS_SOFTCAP: tl.constexpr,
     STORE_POLICY: tl.constexpr,
 ):
-    """Overwrite columns [lo, hi) of one row with scale * dloss/dx (a re-read that hits L2)."""
+    """Overwrite columns [lo, hi) of one row with scale * dloss/dx, reading them again."""
     coef = 1.0 + 2.0 * lse_sq_scale * lse
     off_eps = smoothing / V
     for start in range(lo, hi, BLOCK):
@@ -78,14 +90,11 @@ def _write_grad(
         mask = cols < hi
         x = tl.load(row_in + cols, mask=mask, other=0.0).to(tl.float32)
         z = _softcap(x, cap, HAS_SOFTCAP)
-        g = tl.exp2((z - lse) * 1.4426950408889634) * coef - off_eps
-        # The target's "- (1 - eps)" is applied in fp32 before rounding to the logits dtype.
-        g = tl.where(cols == y, g - (1.0 - smoothing), g)
-        if HAS_SOFTCAP:
-            t = z / cap
-            g = g * (1.0 - t * t)
-        g = (g * scale).to(row_out.dtype.element_ty)
-        tl.store(row_out + cols, g, mask=mask, eviction_policy=STORE_POLICY)
+        p = tl.exp2((z - lse) * 1.4426950408889634)
+        g = _grad(p, z, cols, y, scale, coef, smoothing, off_eps, cap, HAS_SOFTCAP)
+        tl.store(
+            row_out + cols, g.to(row_out.dtype.element_ty), mask=mask, eviction_policy=STORE_POLICY
+        )
 
 
 @triton.jit
@@ -116,9 +125,15 @@ def _ce_fwd_kernel(
     WRITE_GRAD: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     SPIN: tl.constexpr,
+    OWN_CHUNK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     LOAD_POLICY: tl.constexpr,
     STORE_POLICY: tl.constexpr,
 ):
+    # OWN_CHUNK: each program writes the gradient of its own chunk, since it learns the row's
+    # totals (alone on the row, or by waiting for its siblings); otherwise the last program to
+    # finish writes the row. ONE_PASS: one block per chunk, kept in registers from the load to
+    # the gradient store, so the logits are read exactly once.
     if SPIN:
         # Tiles in the order programs actually start, so a program only ever waits for
         # siblings that have started already or start next (never on the CPU interpreter,
@@ -143,22 +158,35 @@ def _ce_fwd_kernel(
             tl.store(loss_ptr + row, 0.0)
             tl.store(lse_ptr + row, 0.0)
     else:
-        # Pass over this program's chunk: running max m and sum s of exp(z - m), in fp32.
-        m = -1.0e30
-        s = 0.0
-        sz = 0.0
-        for start in range(c0, c1, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        # This program's chunk: max m and sum s of exp(z - m), in fp32 (online over blocks).
+        if ONE_PASS:
+            cols = c0 + tl.arange(0, BLOCK)
             mask = cols < c1
             x = tl.load(row_in + cols, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
             z = tl.where(mask, _softcap(x.to(tl.float32), cap, HAS_SOFTCAP), float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, 0))
-            s = s * tl.exp2((m - m_new) * 1.4426950408889634) + tl.sum(
-                tl.exp2((z - m_new) * 1.4426950408889634), 0
-            )
-            m = m_new
+            m = tl.max(z, 0)
+            e = tl.exp2((z - m) * 1.4426950408889634)
+            s = tl.sum(e, 0)
+            sz = 0.0
             if HAS_SMOOTHING:
-                sz += tl.sum(tl.where(mask, z, 0.0), 0)
+                sz = tl.sum(tl.where(mask, z, 0.0), 0)
+            m_own = m
+        else:
+            m = -1.0e30
+            s = 0.0
+            sz = 0.0
+            for start in range(c0, c1, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < c1
+                x = tl.load(row_in + cols, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
+                z = tl.where(mask, _softcap(x.to(tl.float32), cap, HAS_SOFTCAP), float("-inf"))
+                m_new = tl.maximum(m, tl.max(z, 0))
+                s = s * tl.exp2((m - m_new) * 1.4426950408889634) + tl.sum(
+                    tl.exp2((z - m_new) * 1.4426950408889634), 0
+                )
+                m = m_new
+                if HAS_SMOOTHING:
+                    sz += tl.sum(tl.where(mask, z, 0.0), 0)
         done = True  # this program holds the row's totals
         if NUM_CHUNKS > 1:
             # Publish the partials, then count in. A CTA barrier plus the counter's acq_rel
@@ -189,7 +217,7 @@ def _ce_fwd_kernel(
         if done:
             lse = m + tl.log(s)
             owner = True  # the program that stores the row's loss
-            if SPIN:
+            if OWN_CHUNK:
                 owner = chunk == 0
             if owner:
                 valid = (y >= 0) & (y < V)
@@ -206,49 +234,66 @@ def _ce_fwd_kernel(
                 scale = tl.load(gscale_ptr).to(tl.float32)
                 if HAS_ROW_SCALE:
                     scale = scale * tl.load(rscale_ptr + row).to(tl.float32)
-                # Spinning programs each rewrite their own chunk; otherwise the last one to
-                # arrive rewrites the whole row.
-                lo = 0
-                hi = V
-                if SPIN:
-                    lo = c0
-                    hi = c1
-                _write_grad(
-                    row_in,
-                    row_out,
-                    lo,
-                    hi,
-                    lse,
-                    y,
-                    scale,
-                    V,
-                    smoothing,
-                    lse_sq_scale,
-                    cap,
-                    BLOCK,
-                    HAS_SOFTCAP,
-                    STORE_POLICY,
-                )
+                if ONE_PASS:
+                    # softmax = exp(z - m_own) * exp(m_own - lse): one exp per element in all.
+                    p = e * tl.exp2((m_own - lse) * 1.4426950408889634)
+                    coef = 1.0 + 2.0 * lse_sq_scale * lse
+                    g = _grad(
+                        p, z, cols, y, scale, coef, smoothing, smoothing / V, cap, HAS_SOFTCAP
+                    )
+                    g = g.to(row_out.dtype.element_ty)
+                    tl.store(row_out + cols, g, mask=mask, eviction_policy=STORE_POLICY)
+                else:
+                    lo = 0
+                    hi = V
+                    if OWN_CHUNK:
+                        lo = c0
+                        hi = c1
+                    _write_grad(
+                        row_in,
+                        row_out,
+                        lo,
+                        hi,
+                        lse,
+                        y,
+                        scale,
+                        V,
+                        smoothing,
+                        lse_sq_scale,
+                        cap,
+                        BLOCK,
+                        HAS_SOFTCAP,
+                        STORE_POLICY,
+                    )
 
 
 @triton.jit
-def _scale_kernel(x_ptr, numel, row_len, g_ptr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_kernel(
+    x_ptr, numel, row_len, g_ptr, n_blocks, PER_ROW: tl.constexpr, BLOCK: tl.constexpr
+):
     """x *= g over a contiguous tensor: one g, or g[i // row_len] when PER_ROW (one per row).
 
-    A block whose factor is exactly 1 returns at once, so grad_output == 1 costs no traffic and
-    no host check.
+    A persistent grid; with one factor that is exactly 1 every program returns at once, so
+    grad_output == 1 costs one tiny launch and no host check.
     """
+    # int64 offsets advanced by hand: the loop variable is a plain int on the interpreter.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
     if PER_ROW:
-        g = tl.load(g_ptr + offs // row_len, mask=mask, other=1.0).to(tl.float32)
-        skip = tl.min(tl.where(g == 1.0, 1, 0), 0) == 1
+        for _ in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            mask = offs < numel
+            g = tl.load(g_ptr + offs // row_len, mask=mask, other=1.0).to(tl.float32)
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
+            offs += step
     else:
         g = tl.load(g_ptr).to(tl.float32)
-        skip = g == 1.0
-    if not skip:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
+        if g != 1.0:
+            for _ in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+                mask = offs < numel
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
+                offs += step
 
 
 @dataclass(frozen=True)
@@ -274,13 +319,14 @@ def _next_pow2(n: int) -> int:
 def default_config(vocab: int, device: torch.device) -> CEConfig:
     """Launch shape for a vocabulary size (tuned on an H200 for bf16 151936-wide rows)."""
     if device.type != "cuda":
-        # The interpreter: small blocks, and two programs per row once V > 1024 so that the
-        # multi-program path is what the CPU tests exercise by default.
-        block = min(_next_pow2(vocab), 512)
-        return CEConfig(chunk=2 * block, block=block, num_warps=4)
-    block = min(_next_pow2(vocab), 4096)
-    chunk = min(triton.cdiv(vocab, block) * block, 4 * block)
-    return CEConfig(chunk=chunk, block=block, num_warps=8)
+        # The interpreter: a row that fits one block takes the one-pass path; a wider row is
+        # split over programs of two blocks each, and the last one to finish writes the row.
+        if vocab <= 1024:
+            block = _next_pow2(vocab)
+            return CEConfig(chunk=block, block=block, num_warps=4)
+        return CEConfig(chunk=1024, block=512, num_warps=4)
+    block = min(_next_pow2(vocab), 8192)
+    return CEConfig(chunk=block, block=block, num_warps=8, spin=True)
 
 
 def ce_rows(
@@ -320,7 +366,8 @@ def ce_rows(
         )
     cfg = config or default_config(vocab, logits.device)
     num_chunks = triton.cdiv(vocab, cfg.chunk)
-    spin = cfg.spin and num_chunks > 1 and logits.is_cuda  # never spin on the interpreter
+    # Spin only to write a gradient, and never on the interpreter (programs run one by one).
+    spin = cfg.spin and num_chunks > 1 and logits.is_cuda and grad is not None
     stats = counts = logits  # placeholders, never read when there is one chunk
     if num_chunks > 1:
         stats = torch.empty(n * num_chunks * 4, dtype=torch.float32, device=logits.device)
@@ -354,6 +401,8 @@ def ce_rows(
         WRITE_GRAD=grad is not None,
         HAS_ROW_SCALE=row_scale is not None,
         SPIN=spin,
+        OWN_CHUNK=spin or num_chunks == 1,
+        ONE_PASS=(spin or num_chunks == 1) and cfg.chunk == cfg.block,
         LOAD_POLICY="evict_last" if cfg.evict else "",
         STORE_POLICY="evict_first" if cfg.evict else "",
         num_warps=cfg.num_warps,
@@ -411,15 +460,29 @@ def scale_rows_(grad: torch.Tensor, g: torch.Tensor) -> None:
         return
     assert grad.is_contiguous()
     block = 8192 if grad.is_cuda else 1 << 16
-    _scale_kernel[(triton.cdiv(grad.numel(), block),)](
+    n_blocks = triton.cdiv(grad.numel(), block)
+    programs = min(n_blocks, 4 * _sm_count(grad.device))
+    _scale_kernel[(programs,)](
         grad,
         grad.numel(),
         grad.numel() // grad.shape[0],
         g,
+        n_blocks,
         PER_ROW=per_row,
         BLOCK=block,
         num_warps=8,
     )
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def grad_scale_tensor(
@@ -472,10 +535,11 @@ class CrossEntropyFunction(torch.autograd.Function):
         reduction: str,
         num_items,
         inplace: bool,
+        need_grad: bool,
     ) -> torch.Tensor:
         gscale = grad_scale_tensor(reduction, target, ignore_index, num_items)
         grad = None
-        if ctx.needs_input_grad[0]:
+        if need_grad:
             grad = logits if inplace else torch.empty_like(logits)
         loss, _ = ce_rows(
             logits,
@@ -499,9 +563,9 @@ class CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         grad, ctx.grad = ctx.grad, None
         if grad is None:
-            return (None,) * 9
+            return (None,) * 10
         scale_rows_(grad, grad_out)
-        return (grad,) + (None,) * 8
+        return (grad,) + (None,) * 9
 
 
 def cross_entropy(
@@ -540,5 +604,8 @@ def cross_entropy(
         reduction,
         num_items,
         inplace,
+        # Not ctx.needs_input_grad: that stays True under torch.no_grad(), and the logits
+        # must not be consumed when no backward will come.
+        torch.is_grad_enabled() and logits.requires_grad,
     )
     return loss.view(target.shape) if reduction == "none" else loss

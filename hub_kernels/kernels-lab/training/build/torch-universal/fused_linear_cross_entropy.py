@@ -8,7 +8,7 @@ chunk's rows of d(hidden) and its contribution to d(weight). The gradients are t
 in the forward (6·N·H·V flops in all) and the backward only rescales them by grad_output, which is
 skipped on the device when grad_output is 1.
 
-Extra memory is the logits buffer (at most ``max_chunk_bytes``, 480 MiB by default) plus O(N + V)
+Extra memory is the logits buffer (at most ``MAX_CHUNK_BYTES``, 504 MiB) plus O(N + V)
 fp32 scratch. d(weight) is accumulated in the weight's dtype: ``addmm`` adds each chunk's fp32
 product to it and rounds once per chunk. In bf16 that costs about sqrt(chunks / 2) times the
 rounding of a single product (measured in docs/losses.md); an fp32 accumulator would be exact but
@@ -34,21 +34,22 @@ from .cross_entropy import (
     scale_rows_,
 )
 
-MAX_CHUNK_BYTES = 480 * 2**20
+# The logits buffer's budget: with the O(N + V) scratch next to it, one call stays under
+# 512 MiB of extra memory (measured on an H200, docs/losses.md).
+MAX_CHUNK_BYTES = 504 * 2**20
 
 
 def default_chunk_rows(n: int, vocab: int, itemsize: int, max_bytes: int = MAX_CHUNK_BYTES) -> int:
     """Rows per chunk: the fewest equal chunks whose [rows, V] buffer fits `max_bytes`.
 
-    Rows are rounded to a multiple of 128 (a matmul tile) when the budget allows it.
+    Fewer chunks mean fewer read-modify-write passes over d(weight) and fewer roundings of it;
+    equal chunks avoid a small, slow last matmul. Rows are a multiple of 8 when that fits.
     """
     cap = max(1, max_bytes // max(1, vocab * itemsize))
-    if cap >= 128:
-        cap = cap // 128 * 128
     chunks = -(-n // cap)
     rows = -(-n // chunks)
-    if cap >= 128:
-        rows = min(cap, -(-rows // 128) * 128)
+    if -(-rows // 8) * 8 <= cap:
+        rows = -(-rows // 8) * 8
     return max(1, min(rows, n))
 
 
@@ -119,8 +120,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper over `_chunked`; see the module docstring for where the work happens."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, opts: _Options, num_items):
-        need = tuple(ctx.needs_input_grad[:3])
+    def forward(ctx, hidden, weight, bias, target, opts: _Options, num_items, need):
         gscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items)
         ctx.opts = opts
         ctx.deferred = opts.reduction == "none" and any(need)
@@ -155,7 +155,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     tuple(ctx.needs_input_grad[:3]),
                 )
             db = None if db is None else db.to(bias.dtype)
-            return dx, dw, db, None, None, None
+            return dx, dw, db, None, None, None, None
         (dx, dw, db), ctx.grads = ctx.grads, None
         # Popped off ctx so that autograd can take these buffers as .grad without a copy.
         if dx is not None:
@@ -164,7 +164,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             scale_rows_(dw, grad_out)
         if db is not None:
             db = (db * grad_out.float()).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _gather_dtensor(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -238,5 +238,10 @@ def fused_linear_cross_entropy(
         target.reshape(-1).contiguous(),
         opts,
         num_items,
+        # Not ctx.needs_input_grad, which stays True under torch.no_grad().
+        tuple(
+            torch.is_grad_enabled() and t is not None and t.requires_grad
+            for t in (rows, weight, bias)
+        ),
     )
     return loss.view(target.shape) if reduction == "none" else loss
