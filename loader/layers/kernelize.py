@@ -36,7 +36,7 @@ from .report import (
     kernel_origin,
     record,
 )
-from .validate import can_torch_compile, check_layer, check_registered_mode, has_backward
+from .validate import can_torch_compile, check_layer, check_mode_support, has_backward
 
 # Load failures that CANNOT_LOAD may turn into "keep the original forward": the kernel is not
 # there (FileNotFoundError covers KernelNotFound, RevisionNotFound, NoCompatibleVariant and
@@ -107,7 +107,7 @@ class _Loader:
             try:
                 layer = repo.load()
                 check_layer(layer, site.replaced, source=repo)
-                check_registered_mode(layer, candidate.registered, source=repo)
+                check_mode_support(layer, candidate.registered, source=repo)
                 self._done[key] = layer
             except _CANNOT_LOAD as exc:
                 self._done[key] = exc

@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import InvalidSpec
 from .device import ANY_CAPABILITY, as_device
 from .fallback import KernelizeFallback
-from .mode import Mode, check_registered_mode, mode_name
+from .mode import Mode, check_mapping_mode, mode_name
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def normalize(mapping: object) -> dict[str, list[tuple[str, int, int, Mapping[Mo
             where = f"mapping[{layer_name!r}][{device.type!r}]"
             if isinstance(value, Mapping):
                 modes = {
-                    check_registered_mode(mode): _check_repo(repo, where)
+                    check_mapping_mode(mode): _check_repo(repo, where)
                     for mode, repo in value.items()
                 }
                 if not modes:
@@ -267,8 +267,3 @@ def _contains(entry: RangeEntry, capability: int | None) -> bool:
     if capability is None:
         return entry.low == 0 and entry.high == ANY_CAPABILITY
     return entry.low <= capability <= entry.high
-
-
-def layer_names() -> frozenset[str]:
-    """Every layer name the current mapping has an entry for."""
-    return frozenset(name for scope in current_scopes() for name in scope.layers)

@@ -41,7 +41,7 @@ def _check_combination(mode: Mode) -> None:
         )
 
 
-def check_registered_mode(mode: object) -> Mode:
+def check_mapping_mode(mode: object) -> Mode:
     """Return `mode` if it may key a mapping entry (any valid non-empty Mode), else raise."""
     if not isinstance(mode, Mode) or not mode:
         raise InvalidSpec(

@@ -72,7 +72,7 @@ def check_layer(layer: object, replaced: type[nn.Module], *, source: object) -> 
         )
 
 
-def check_registered_mode(layer: type, registered: Mode, *, source: object) -> None:
+def check_mode_support(layer: type, registered: Mode, *, source: object) -> None:
     """Raise LayerError if `layer` cannot do what the mode it was registered for promises."""
     if Mode.TRAINING in registered and not has_backward(layer):
         raise LayerError(

@@ -340,3 +340,17 @@ def test_report_is_recorded_and_readable(repo_path):
     clone = copy.deepcopy(model)
     assert bound_layer(clone.model.norm) is bound_layer(model.model.norm)
     assert last_report(clone) == report
+
+
+def test_under_hip_cuda_means_rocm(monkeypatch):
+    from kernels.layers.device import Target, resolve_target
+
+    model = tiny_qwen3()
+    assert resolve_target(model, "cuda") == Target("cuda")
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    assert resolve_target(model, "cuda") == Target("rocm")
+    assert resolve_target(model, "cuda:1") == Target("rocm", 1)
+    assert resolve_target(model, torch.device("cuda", 2)) == Target("rocm", 2)
+    assert resolve_target(model, Device("cuda")) == Target("rocm")
+    assert resolve_target(model, "rocm") == Target("rocm")
+    assert resolve_target(model, None) == Target("cpu")  # a CPU model stays on the CPU
