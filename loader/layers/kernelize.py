@@ -121,7 +121,12 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
-def _kernelize_site(
+# What to do with one site: its report entry, and the change to make once every site is decided
+# (None: leave it as it is).
+_Decision = tuple[BindEntry, Callable[[], None] | None]
+
+
+def _decide(
     site: _Site,
     *,
     mode: Mode,
@@ -131,26 +136,25 @@ def _kernelize_site(
     scopes: tuple[Scope, ...],
     loader: _Loader,
     dry_run: bool,
-) -> BindEntry:
-    def keep(case: KernelizeFallback, reason: str, error: BaseException | None = None) -> BindEntry:
+) -> _Decision:
+    def keep(case: KernelizeFallback, reason: str, error: BaseException | None = None) -> _Decision:
         if case not in fallback:
             if dry_run:
-                return BindEntry(site.path, site.layer_name, BLOCKED, reason=reason, fallback=case)
+                entry = BindEntry(site.path, site.layer_name, BLOCKED, reason=reason, fallback=case)
+                return entry, None
             if error is not None:
                 raise error
             raise LayerError(
                 f"{site.path or '<root>'} ({site.layer_name}): {reason}",
                 hint=f"register a kernel for it, or allow this case with use_fallback (KernelizeFallback.{case.name})",
             )
-        if not dry_run:
-            site.restore()
-        return BindEntry(site.path, site.layer_name, ORIGINAL, reason=reason, fallback=case)
+        entry = BindEntry(site.path, site.layer_name, ORIGINAL, reason=reason, fallback=case)
+        return entry, site.restore
 
     condition = getattr(site.replaced, "kernel_condition", None)
     if condition is not None and not condition(site.owner):
-        if not dry_run:
-            site.restore()
-        return BindEntry(site.path, site.layer_name, SKIPPED, reason="kernel_condition is False")
+        entry = BindEntry(site.path, site.layer_name, SKIPPED, reason="kernel_condition is False")
+        return entry, site.restore
 
     found = lookup(site.layer_name, device_type, capability, mode, scopes)
     if found.miss is not None:
@@ -158,7 +162,10 @@ def _kernelize_site(
     if dry_run:
         best = found.candidates[0]
         note = "serves training if the layer has a backward" if best.promoted else ""
-        return BindEntry(site.path, site.layer_name, PLANNED, str(best.repo), best.registered, note)
+        entry = BindEntry(
+            site.path, site.layer_name, PLANNED, str(best.repo), best.registered, note
+        )
+        return entry, None
 
     without_backward: tuple[Candidate, type[nn.Module]] | None = None
     for candidate in found.candidates:
@@ -185,9 +192,8 @@ def _kernelize_site(
                 KernelizeFallback.NO_COMPATIBLE_MODE,
                 f"{candidate.repo} does not support torch.compile",
             )
-        site.bind(layer)
         reason = "INFERENCE entry serves training" if candidate.promoted else ""
-        return BindEntry(
+        entry = BindEntry(
             site.path,
             site.layer_name,
             BOUND,
@@ -195,6 +201,7 @@ def _kernelize_site(
             candidate.registered,
             reason,
         )
+        return entry, lambda layer=layer: site.bind(layer)
 
     assert without_backward is not None  # every path through the loop returns or records one
     candidate, layer = without_backward
@@ -215,15 +222,18 @@ def run_kernelize(
     scopes: tuple[Scope, ...] | None = None,
 ) -> BindReport:
     """kernelize, returning the report; `only` limits it to some layer names, `scopes` replaces
-    the context's mapping, and `dry_run` plans without loading kernels or touching the model."""
+    the context's mapping, and `dry_run` plans without loading kernels or touching the model.
+
+    Every site is decided (kernels loaded and checked) before any is changed, so a call that
+    raises leaves the model as it was."""
     mode = check_requested_mode(mode)
     fallback = as_fallback(use_fallback)
     target = resolve_target(model, device)
     probe = CapabilityProbe(target)
     scopes = current_scopes() if scopes is None else scopes
     loader = _Loader()
-    entries = [
-        _kernelize_site(
+    decisions = [
+        _decide(
             site,
             mode=mode,
             device_type=target.type,
@@ -235,7 +245,11 @@ def run_kernelize(
         )
         for site in _sites(model, only)
     ]
-    report = BindReport(type(model).__name__, mode, target.type, tuple(entries), dry_run)
+    for _, change in decisions:
+        if change is not None:
+            change()
+    entries = tuple(entry for entry, _ in decisions)
+    report = BindReport(type(model).__name__, mode, target.type, entries, dry_run)
     if not dry_run:
         record(model, report)
     return report

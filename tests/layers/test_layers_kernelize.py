@@ -354,3 +354,18 @@ def test_under_hip_cuda_means_rocm(monkeypatch):
     assert resolve_target(model, Device("cuda")) == Target("rocm")
     assert resolve_target(model, "rocm") == Target("rocm")
     assert resolve_target(model, None) == Target("cpu")  # a CPU model stays on the CPU
+
+
+def test_a_kernelize_that_raises_changes_nothing(repo_path):
+    model = tiny_qwen3()
+    register_kernel_mapping({"RMSNorm": {"cpu": norm_repo(repo_path)}})
+    kernelize(model, mode=Mode.INFERENCE)
+    before = last_report(model)
+    broken = {
+        "RMSNorm": {"cpu": norm_repo(repo_path, "RMSNormCompile")},
+        "SiLU": {"cpu": norm_repo(repo_path, "Missing")},
+    }
+    with use_kernel_mapping(broken), pytest.raises(LayerError, match="Missing"):
+        kernelize(model, mode=Mode.INFERENCE)
+    assert {bound_layer(m).__name__ for m in norms(model)} == {"RMSNorm"}
+    assert last_report(model) is before
