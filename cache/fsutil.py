@@ -41,32 +41,23 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (best effort: not every filesystem allows it)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Write `data` to `path` so a reader sees the old file or the new one, never a part."""
+    """Write `data` to `path` so a reader sees the old file or the new one, never a part.
+
+    No fsync: a killed process can never leave a partial file (rename is atomic), and after a
+    power loss a torn file is caught by verification (objects, trees) or read as absent (records).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj: object) -> None:

@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .fsutil import atomic_write_bytes, fsync_dir, sha256_file
+from .fsutil import atomic_write_bytes, sha256_file
 
 
 class DigestMismatch(ValueError):
@@ -107,8 +107,6 @@ class ObjectWriter:
         if expected_sha256 is not None and digest != expected_sha256:
             self.abort()
             raise DigestMismatch(f"expected sha256 {expected_sha256}, got {digest}")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
         self._fh.close()
         os.chmod(self._tmp, 0o444)
         dest = self.store.path(digest)
@@ -118,7 +116,6 @@ class ObjectWriter:
             self._tmp.unlink()
         else:
             os.replace(self._tmp, dest)
-            fsync_dir(dest.parent)
         self._done = True
         return digest
 

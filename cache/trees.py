@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fsutil import atomic_write_json, fsync_dir, read_json, sha256_file
+from .fsutil import atomic_write_json, read_json, sha256_file
 from .manifest import Manifest
 from .objects import ObjectStore
 
@@ -74,7 +74,6 @@ class TreeStore:
                     raise
                 shutil.rmtree(staging, ignore_errors=True)  # another process won the race
                 return final
-            fsync_dir(self.root)
             # Inodes survive a rename, so the stamps taken in staging hold for the final tree.
             atomic_write_json(self.stamps / f"{digest}.json", stamps)
         except BaseException:

@@ -51,10 +51,19 @@ class _Retryable(Exception):
         self.retry_after = retry_after
 
 
-def _api():
-    from huggingface_hub import HfApi
+def _get_json(url: str, params: dict | None = None):
+    """GET a Hub API route through huggingface_hub's session, headers (token) and error types.
+    Returns (parsed JSON, response). Its HfApi is not used: importing it costs ~0.3 s."""
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    return HfApi(endpoint=settings.endpoint(), library_name="kernels", library_version=__version__)
+    headers = build_hf_headers(library_name="kernels", library_version=__version__)
+    response = get_session().get(url, params=params, headers=headers, timeout=METADATA_TIMEOUT)
+    hf_raise_for_status(response)
+    return response.json(), response
+
+
+def _repo_api(repo_id: str) -> str:
+    return f"{settings.endpoint()}/api/{REPO_TYPE}s/{repo_id}"
 
 
 def _status_of(exc: BaseException) -> int | None:
@@ -127,12 +136,11 @@ def resolve_revision(repo_id: str, revision: str) -> str:
     """A branch, tag or commit name -> the 40-hex commit it points to now. One request."""
 
     def call():
-        info = _api().repo_info(
-            repo_id, revision=revision, repo_type=REPO_TYPE, timeout=METADATA_TIMEOUT
-        )
-        if not info.sha:
+        data, _ = _get_json(f"{_repo_api(repo_id)}/revision/{quote(revision, safe='')}")
+        sha = data.get("sha") if isinstance(data, dict) else None
+        if not isinstance(sha, str) or len(sha) != 40:
             raise HubUnavailable(f"{repo_id}@{revision}: the Hub sent no commit id")
-        return info.sha
+        return sha
 
     return _with_retries(f"{repo_id}@{revision}", METADATA_ATTEMPTS, call)
 
@@ -141,10 +149,10 @@ def list_refs(repo_id: str) -> dict[str, dict[str, str]]:
     """{'branches': {name: commit}, 'tags': {name: commit}}. One request."""
 
     def call():
-        refs = _api().list_repo_refs(repo_id, repo_type=REPO_TYPE)
+        data, _ = _get_json(f"{_repo_api(repo_id)}/refs")
         return {
-            "branches": {b.name: b.target_commit for b in refs.branches},
-            "tags": {t.name: t.target_commit for t in refs.tags},
+            kind: {r["name"]: r["targetCommit"] for r in data.get(kind, [])}
+            for kind in ("branches", "tags")
         }
 
     return _with_retries(f"{repo_id} refs", METADATA_ATTEMPTS, call)
@@ -154,16 +162,27 @@ def list_build_files(repo_id: str, commit: str) -> list[RemoteFile]:
     """Every file under build/ at `commit`, with sizes and digests. One request per page."""
 
     def call():
-        from huggingface_hub.hf_api import RepoFile
-
         files = []
-        for item in _api().list_repo_tree(
-            repo_id, path_in_repo="build", recursive=True, revision=commit, repo_type=REPO_TYPE
-        ):
-            if isinstance(item, RepoFile):
-                lfs = getattr(item, "lfs", None)
-                sha256 = getattr(lfs, "sha256", None) if lfs is not None else None
-                files.append(RemoteFile(item.path, int(item.size), item.blob_id, sha256))
+        url = f"{_repo_api(repo_id)}/tree/{quote(commit, safe='')}/build"
+        params: dict | None = {"recursive": "true", "expand": "false"}
+        while url:
+            data, response = _get_json(url, params)
+            if not isinstance(data, list):
+                raise HubUnavailable(f"{repo_id}@{commit[:12]}: the tree listing is not a list")
+            for item in data:
+                if not isinstance(item, dict) or item.get("type") != "file":
+                    continue
+                lfs = item.get("lfs") if isinstance(item.get("lfs"), dict) else None
+                files.append(
+                    RemoteFile(
+                        str(item.get("path")),
+                        item.get("size") if isinstance(item.get("size"), int) else -1,
+                        item.get("oid"),
+                        lfs.get("oid") if lfs else None,
+                    )
+                )
+            url = response.links.get("next", {}).get("url")  # the Hub pages long listings
+            params = None
         return files
 
     try:
