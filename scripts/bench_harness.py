@@ -107,7 +107,7 @@ def measure_ceilings() -> Ceilings:
 def _wall_ms(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
 _cycles_per_ms: list[float] = []
@@ -125,7 +125,7 @@ def _sleep_cycles_per_ms() -> float:
     return _cycles_per_ms[0]
 
 
-def _device_ms(fn: Callable[[], object], reps: int = 40) -> float:
+def _device_ms(fn: Callable[[], object], reps: int = 30) -> float:
     """Median GPU time of fn() with its host work hidden behind a queued sleep kernel."""
     cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()

@@ -48,6 +48,16 @@ def collect(small: bool, ops: list[str]) -> tuple[list, list[str]]:
     return found, notes
 
 
+def _picked_configs() -> dict:
+    """The kernel configs our ops chose by timing during this run (for the record)."""
+    common = [
+        m
+        for n, m in sys.modules.items()
+        if n.startswith("_kernels_training_bench") and n.endswith("._common")
+    ]
+    return {str(k[:3]): v for m in common for k, v in m._CHOICES.items()}
+
+
 def environment() -> dict:
     import torch
 
@@ -59,6 +69,20 @@ def environment() -> dict:
         "transformers": _version("transformers"),
         "liger-kernel": _version("liger-kernel"),
     }
+
+
+def write_results(out: Path, env, ceil, rows, notes, header: str, table: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "kernels.json", "w") as fh:
+        json.dump(
+            {"env": env, "ceilings": ceil.__dict__, "rows": rows, "notes": notes}, fh, indent=1
+        )
+    (out / "kernels.md").write_text(f"{header}\n\n{table}\n")
+    try:
+        plot(rows, out / "kernels.png")
+    except ImportError as exc:
+        if f"no plot: {exc}" not in notes:
+            notes.append(f"no plot: {exc}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -114,26 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     cases, notes = collect(args.small, ops)
     env = environment()
     ceil = measure_ceilings()
+    header = " ".join(f"{k} {v};" for k, v in env.items())
     rows = []
     for case in cases:
         case_rows = run_case(case, ceil)
         rows += case_rows
         for r in case_rows:
-            t = r.get("error") or f"fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms"
-            print(f"{case.op} | {case.shape} | {r['impl']}: {t}", flush=True)
-    table = format_table(rows, ceil)
-    header = " ".join(f"{k} {v};" for k, v in env.items())
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "kernels.json", "w") as fh:
-            json.dump(
-                {"env": env, "ceilings": ceil.__dict__, "rows": rows, "notes": notes}, fh, indent=1
+            t = r.get("error") or (
+                f"fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms "
+                f"(wall {r['fwd_bwd_wall_ms']:.3f}), extra {r['extra_mib']:.0f} MiB"
             )
-        (args.out / "kernels.md").write_text(f"{header}\n\n{table}\n")
-        try:
-            plot(rows, args.out / "kernels.png")
-        except ImportError as exc:
-            notes.append(f"no plot: {exc}")
+            print(f"{case.op} | {case.shape} | {r['impl']}: {t}", flush=True)
+        if args.out:  # after every case, so a run cut short still leaves its results
+            write_results(args.out, env, ceil, rows, notes, header, format_table(rows, ceil))
+    table = format_table(rows, ceil)
+    picks = _picked_configs()
+    if picks:
+        print("launch configs picked by timing:", picks)
     for note in notes:
         print(note)
     print(header)

@@ -167,3 +167,11 @@ def test_every_backward_candidate(kt, shape):
         dx, dw = mod.backward(dy, x.detach(), w.detach(), rstd, False, True, cfg)
         assert_close(dx, x64.grad, torch.bfloat16, f"dx {cfg}")
         assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")
+    y64 = rms_norm64(x64.detach(), w64.detach(), 1e-6)
+    for cfg in mod.fwd_candidates(*shape):
+        assert_close(
+            mod.forward(x.detach(), w.detach(), 1e-6, False, cfg)[0],
+            y64,
+            torch.bfloat16,
+            f"y {cfg}",
+        )

@@ -65,14 +65,20 @@ def _layer_norm_bwd_kernel(
     stride_dy, stride_x, stride_dx, rows_per_program,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr,
     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, PREFETCH: tl.constexpr,
+    ACC_2D: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # ACC_2D: per-row partials reduced once at the end (see rms_norm).
+    if ACC_2D:
+        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:
@@ -101,14 +107,26 @@ def _layer_norm_bwd_kernel(
         dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         dx_ptr = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
         tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
-        if COMPUTE_DW:
-            dw += tl.sum(dy * xhat, axis=0)
-        if COMPUTE_DB:
-            db += tl.sum(dy, axis=0)
+        if ACC_2D:
+            if COMPUTE_DW:
+                dw += dy * xhat
+            if COMPUTE_DB:
+                db += dy
+        else:
+            if COMPUTE_DW:
+                dw += tl.sum(dy * xhat, axis=0)
+            if COMPUTE_DB:
+                db += tl.sum(dy, axis=0)
+    if ACC_2D:
+        dw_row = tl.sum(dw, axis=0)
+        db_row = tl.sum(db, axis=0)
+    else:
+        dw_row = dw
+        db_row = db
     if COMPUTE_DW:
-        tl.store(DW_PART + pid * N + cols, dw, mask=cmask)
+        tl.store(DW_PART + pid * N + cols, dw_row, mask=cmask)
     if COMPUTE_DB:
-        tl.store(DB_PART + pid * N + cols, db, mask=cmask)
+        tl.store(DB_PART + pid * N + cols, db_row, mask=cmask)
 
 
 def forward(x, weight, bias, eps, cfg=None):
@@ -146,7 +164,7 @@ def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
         dy2.stride(0), x2.stride(0), dx.stride(0), rows_per_program,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), HAS_W=weight is not None,
         COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, PREFETCH=cfg["PREFETCH"],
-        num_warps=cfg["num_warps"],
+        ACC_2D=cfg["ACC_2D"], num_warps=cfg["num_warps"],
     )  # fmt: skip
     return dw_part, db_part
 

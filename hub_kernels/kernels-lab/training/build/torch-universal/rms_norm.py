@@ -70,7 +70,7 @@ def _load_rows(DY, X, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PART, M, N, stride_dy, stride_x, stride_dx, rows_per_program,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr,
-    COMPUTE_DW: tl.constexpr, PREFETCH: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, PREFETCH: tl.constexpr, ACC_2D: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -78,7 +78,12 @@ def _rms_norm_bwd_kernel(
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     if GEMMA:
         w = w + 1.0
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # ACC_2D keeps dW per row of the tile and reduces once at the end: no cross-warp reduction
+    # per iteration, which pays off for short rows (q/k norms).
+    if ACC_2D:
+        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:
@@ -108,11 +113,18 @@ def _rms_norm_bwd_kernel(
         tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if GEMMA:
-                dw += tl.sum(dy * xhat, axis=0)
+                contrib = dy * xhat
             else:
-                dw += tl.sum(dy * xhat.to(X.dtype.element_ty).to(tl.float32), axis=0)
+                contrib = dy * xhat.to(X.dtype.element_ty).to(tl.float32)
+            if ACC_2D:
+                dw += contrib
+            else:
+                dw += tl.sum(contrib, axis=0)
     if COMPUTE_DW:
-        tl.store(DW_PART + pid * N + cols, dw, mask=cmask)
+        if ACC_2D:
+            tl.store(DW_PART + pid * N + cols, tl.sum(dw, axis=0), mask=cmask)
+        else:
+            tl.store(DW_PART + pid * N + cols, dw, mask=cmask)
 
 
 @triton.jit
@@ -141,9 +153,20 @@ def column_sum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def fwd_config(m: int, n: int) -> dict:
     """Launch geometry for the forward: several rows per program when rows are short."""
+    return fwd_candidates(m, n)[0]
+
+
+def fwd_candidates(m: int, n: int) -> list[dict]:
+    """Forward geometries worth timing (wide rows sit at ~90 % of copy with the first)."""
     block_n = next_pow2(n)
-    block_m = max(1, min(4096 // block_n, next_pow2(m)))
-    return {"BLOCK_M": block_m, "num_warps": max(1, min(8, block_m * block_n // 512))}
+
+    def cfg(tile, warps):
+        block_m = max(1, min(tile // block_n, next_pow2(m)))
+        return {"BLOCK_M": block_m, "num_warps": max(1, min(warps, block_m * block_n // 256))}
+
+    if block_n > 512:
+        return [cfg(max(4096, block_n), 8 if block_n <= 4096 else 16)]
+    return [cfg(4096, 8), cfg(4096, 4), cfg(8192, 8), cfg(8192, 4), cfg(2048, 4)]
 
 
 def bwd_candidates(m: int, n: int) -> list[dict]:
@@ -154,13 +177,15 @@ def bwd_candidates(m: int, n: int) -> list[dict]:
     """
     block_n = next_pow2(n)
 
-    def cfg(tile, warps, per_sm, prefetch):
+    def cfg(tile, warps, per_sm, prefetch, acc_2d=False):
         block_m = max(1, min(tile // block_n, next_pow2(m)))
-        return {"BLOCK_M": block_m, "num_warps": warps, "per_sm": per_sm, "PREFETCH": prefetch}
+        return {"BLOCK_M": block_m, "num_warps": warps, "per_sm": per_sm, "PREFETCH": prefetch,
+                "ACC_2D": acc_2d}  # fmt: skip
 
     if block_n <= 512:  # q/k norms: many short rows per program
-        return [cfg(4096, 2, 4, False), cfg(4096, 2, 4, True), cfg(4096, 4, 2, True),
-                cfg(2048, 2, 8, False)]  # fmt: skip
+        return [cfg(4096, 2, 4, False), cfg(4096, 4, 2, True), cfg(2048, 2, 8, False),
+                cfg(4096, 4, 2, False, True), cfg(4096, 2, 4, False, True),
+                cfg(8192, 4, 2, False, True), cfg(2048, 2, 4, True, True)]  # fmt: skip
     if block_n > 16384:
         return [cfg(block_n, 16, 1, False), cfg(block_n, 16, 1, True)]
     return [cfg(16384, 8, 1, False), cfg(8192, 16, 1, True), cfg(8192, 8, 1, True),
@@ -180,12 +205,17 @@ def forward(x, weight, eps, gemma, cfg=None):
     y = torch.empty((m, n), dtype=out_dtype(x, weight, gemma), device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0:
-        cfg = cfg or fwd_config(m, n)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
-        _rms_norm_fwd_kernel[grid](
-            x2, weight, y, rstd, m, n, x2.stride(0), y.stride(0), eps,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, num_warps=cfg["num_warps"],
-        )  # fmt: skip
+
+        def launch(c):
+            _rms_norm_fwd_kernel[(triton.cdiv(m, c["BLOCK_M"]),)](
+                x2, weight, y, rstd, m, n, x2.stride(0), y.stride(0), eps,
+                BLOCK_M=c["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, num_warps=c["num_warps"],
+            )  # fmt: skip
+
+        if cfg is None:
+            key = ("rms_fwd", m.bit_length(), n, x.dtype, weight.dtype, x.device)
+            cfg = pick_config(key, fwd_candidates(m, n), launch)
+        launch(cfg)
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
@@ -201,7 +231,7 @@ def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg):
         dy2, x2, weight, rstd, dx, part, m, n,
         dy2.stride(0), x2.stride(0), dx.stride(0), rows_per_program,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, COMPUTE_DW=compute_dw,
-        PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"],
+        PREFETCH=cfg["PREFETCH"], ACC_2D=cfg["ACC_2D"], num_warps=cfg["num_warps"],
     )  # fmt: skip
     return part
 

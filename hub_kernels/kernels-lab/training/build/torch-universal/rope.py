@@ -75,12 +75,8 @@ def rope_candidates(hq: int, hk: int, d: int) -> list[dict]:
     """Tokens per program and warps worth timing (the first is the default)."""
     per_token = (next_pow2(hq) + next_pow2(hk)) * next_pow2(d)
     block_t = max(1, min(4, 4096 // per_token))
-    return [
-        {"BLOCK_T": block_t, "num_warps": 4},
-        {"BLOCK_T": block_t, "num_warps": 8},
-        {"BLOCK_T": 2 * block_t, "num_warps": 8},
-        {"BLOCK_T": 2 * block_t, "num_warps": 4},
-    ]
+    pairs = [(1, 4), (1, 8), (2, 8), (2, 4), (2, 2), (4, 4), (4, 2)]
+    return [{"BLOCK_T": t * block_t, "num_warps": w} for t, w in pairs]
 
 
 def _to_bhtd(x: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
