@@ -182,15 +182,16 @@ def test_unfit_layers_raise_layer_error_or_fall_back_with_all(layer, message, re
 
 
 def test_no_compatible_variant_is_typed_and_can_fall_back(tmp_path):
+    # An Ascend (NPU) build fits neither a CPU-only machine nor a CUDA one.
     path = write_repo(
-        tmp_path / "gpu-only",
-        kernel_files("gpu-only", salt=uuid.uuid4().hex, variant="torch-cuda", backend="cuda"),
+        tmp_path / "npu-only",
+        kernel_files("npu-only", salt=uuid.uuid4().hex, variant="torch-npu", backend="npu"),
     )
     model = tiny_qwen3()
     register_kernel_mapping({"RMSNorm": {"cpu": norm_repo(path)}})
     with pytest.raises(NoCompatibleVariant) as err:
         kernelize(model, mode=Mode.INFERENCE)
-    assert err.value.trace and "torch-cuda" in str(err.value)
+    assert err.value.trace and "torch-npu" in str(err.value)
     kernelize(model, mode=Mode.INFERENCE, use_fallback=KernelizeFallback.ALL)
     reasons = {e.reason for e in rms(last_report(model).kept)}
     assert len(reasons) == 1 and "no build variant" in reasons.pop()
