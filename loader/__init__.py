@@ -49,7 +49,11 @@ _EXPORTS = {
     "use_kernelized_func": "layers",
     "replace_kernel_forward_from_hub": "layers",
     "apply_kernels": "layers",
+    "plan_kernels": "layers",
+    "last_report": "layers",
     "BindReport": "layers",
+    "BindEntry": "layers",
+    "KernelFunction": "layers",
     # errors
     "KernelsError": "errors",
     "InvalidSpec": "errors",

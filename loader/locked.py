@@ -6,8 +6,11 @@ differs from the lock. With the variant cached it makes no request at all.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import ModuleType
+
+from kernels.cache import ResolutionRecord
 
 from . import settings
 from .api import Installed, _cache, _deps, _ensure_installed, _run, _system
@@ -101,6 +104,20 @@ def _spec_for(entry: LockEntry) -> KernelSpec:
     return make_spec(entry.repo_id, revision=entry.commit)
 
 
+def _record_lock_resolution(entry: LockEntry) -> None:
+    """After a sync, `version=N` (or the locked revision) resolves to the locked commit - the lock
+    says so - until the record's TTL runs out, so plain get_kernel calls need no request either."""
+    ref = make_spec(
+        entry.repo_id, version=entry.requested.version, revision=entry.requested.revision
+    ).ref
+    if ref is None or ref == entry.commit:
+        return
+    try:
+        _cache().records.put(ResolutionRecord(entry.repo_id, ref, entry.commit, time.time()))
+    except OSError:
+        pass  # a read-only cache: locked loads still work
+
+
 def install_locked(
     entry: LockEntry,
     *,
@@ -110,6 +127,12 @@ def install_locked(
     progress=None,
 ) -> list[Installed]:
     """Install the entry's variant for this machine (or every locked variant) and verify it."""
+    installed = _install_locked(entry, backend, trust_remote_code, all_variants, progress)
+    _record_lock_resolution(entry)
+    return installed
+
+
+def _install_locked(entry: LockEntry, backend, trust_remote_code, all_variants, progress):
     if not all_variants:
         found = _ensure_installed(
             _spec_for(entry),

@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-EXPORT_MANIFEST = "kernels-export.json"
+from ..serve.snapshot import EXPORT_MANIFEST
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:

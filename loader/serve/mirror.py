@@ -1,4 +1,5 @@
-"""The folder a mirror serves: `ROOT/<org>/<name>` git repos and the optional `kernels-mirror.toml`."""
+"""The folder a mirror serves: `ROOT/<org>/<name>` git repos (or `kernels export` snapshots) and
+the optional `kernels-mirror.toml`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from ..errors import InvalidSpec
 from .git import GitRepo
+from .snapshot import SnapshotRepo, is_snapshot
 
 CONFIG_NAME = "kernels-mirror.toml"
 # Org and repo names the mirror looks up. The first character rules out ".", ".." and ".git".
@@ -57,6 +59,13 @@ class Mirror:
             return known  # still there: skip the lookup
         if not (valid_name(org) and valid_name(name)):
             return None
+        candidate = self.root / org / name
+        if is_snapshot(candidate):  # a `kernels export` folder keeps the Hub's commit ids
+            with self._lock:
+                repo = self._repos.get((org, name))
+                if repo is None or not isinstance(repo, SnapshotRepo):
+                    repo = self._repos[(org, name)] = SnapshotRepo(candidate)
+            return repo
         for candidate in (self.root / org / name, self.root / org / f"{name}.git"):
             gitdir = find_gitdir(candidate)
             if gitdir is not None:

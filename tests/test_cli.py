@@ -1,0 +1,452 @@
+"""The `kernels` command line, through its real entry point, against `kernels serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.kernel_repos import kernel_files, run_python
+
+KERNELS = str(Path(sys.executable).parent / "kernels")
+
+
+def cli(
+    *args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [KERNELS, *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout
+    )
+
+
+@pytest.fixture
+def repos(hub):
+    hub.trust("kernels-test")
+    w = hub.writer("kernels-test/relu")
+    v1 = w.commit(
+        kernel_files(value=1) | kernel_files(value=1, variant="torch-cpu", backend="cpu"),
+        branch="v1",
+    )
+    v2 = w.commit(kernel_files(value=2, version=2), branch="v2")
+    hub.writer("kernels-test/other").commit(kernel_files(name="other", value=7), branch="v1")
+    return {"v1": v1, "v2": v2}
+
+
+def _no_traceback(out: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+# -- help and usage ------------------------------------------------------------------------
+
+COMMANDS = [
+    "pull",
+    "lock",
+    "sync",
+    "ls",
+    "du",
+    "verify",
+    "prune",
+    "info",
+    "versions",
+    "env",
+    "serve",
+    "export",
+]
+
+
+def test_top_level_help_lists_every_command_and_is_fast():
+    start = time.perf_counter()
+    out = cli("--help")
+    elapsed = time.perf_counter() - start
+    assert out.returncode == 0
+    for name in COMMANDS:
+        assert f"    {name} " in out.stdout
+    assert "Exit codes" in out.stdout
+    assert elapsed < 2.0  # measured ~0.07 s; the budget leaves room for a loaded CI machine
+
+
+@pytest.mark.parametrize(
+    "command, needle",
+    [
+        ("pull", "--all-variants"),
+        ("lock", "pyproject.toml"),
+        ("sync", "--frozen"),
+        ("ls", "--json"),
+        ("du", "--json"),
+        ("verify", "re-hash"),
+        ("prune", "--dry-run"),
+        ("info", "local kernel folder"),
+        ("versions", "org/repo"),
+        ("env", "--json"),
+        ("serve", "--port"),
+        ("export", "--repo"),
+    ],
+)
+def test_each_command_help(command, needle):
+    out = cli(command, "--help")
+    assert out.returncode == 0, out.stderr
+    assert f"kernels {command}" in out.stdout and needle in out.stdout
+
+
+def test_version_and_usage_errors():
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("kernels 0.18.")
+    assert cli("frobnicate").returncode == 2
+    assert cli("pull", "--no-such-flag").returncode == 2
+    assert cli().returncode == 2
+
+
+# -- pull ----------------------------------------------------------------------------------
+
+
+def test_pull_prints_what_it_got(hub, repos):
+    out = cli("pull", "kernels-test/relu@v1")
+    assert out.returncode == 0, out.stderr
+    assert f"kernels-test/relu@{repos['v1'][:12]} (v1) -> torch-cpu" in out.stdout
+    assert "verified" in out.stdout
+    out = cli("pull", "kernels-test/relu@v1", "--json")
+    row = json.loads(out.stdout)
+    assert (
+        row["commit"] == repos["v1"]
+        and row["variant"] == "torch-cpu"
+        and Path(row["path"]).is_dir()
+    )
+
+
+def test_pull_default_is_the_newest_version(hub, repos):
+    row = json.loads(cli("pull", "kernels-test/relu", "--json").stdout)
+    assert row["commit"] == repos["v2"] and row["requested"] == "v2"
+
+
+def test_pull_variant_and_all_variants(hub, repos):
+    row = json.loads(
+        cli("pull", "kernels-test/relu@v1", "--variant", "torch-universal", "--json").stdout
+    )
+    assert row["variant"] == "torch-universal"
+    rows = [
+        json.loads(line)
+        for line in cli(
+            "pull", "kernels-test/relu@v1", "--all-variants", "--json"
+        ).stdout.splitlines()
+    ]
+    assert sorted(r["variant"] for r in rows) == ["torch-cpu", "torch-universal"]
+    bad = cli("pull", "kernels-test/relu@v1", "--variant", "torch-nope")
+    assert bad.returncode == 1 and "torch-nope" in bad.stderr
+    _no_traceback(bad)
+
+
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        ("kernels-test/missing@v1", "not found"),
+        ("kernels-test/relu@v9", "no version 9"),
+        ("not a repo", "not a kernel spec"),
+        ("kernels-test/relu@main~1", "not a valid revision"),
+    ],
+)
+def test_pull_user_errors_are_one_line_and_a_hint(hub, repos, spec, error):
+    out = cli("pull", spec)
+    assert out.returncode == 1
+    _no_traceback(out)
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ") and error in out.stderr
+    assert lines[-1].startswith("hint: ")
+
+
+def test_pull_when_the_hub_is_down_is_a_clear_error(hub, repos):
+    out = cli("pull", "kernels-test/relu@v1", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert out.returncode == 1
+    _no_traceback(out)
+    assert "could not reach the Hub" in out.stderr
+
+
+# -- cache commands ------------------------------------------------------------------------
+
+
+def test_ls_du_verify(hub, repos):
+    cli("pull", "kernels-test/relu@v1", "--all-variants")
+    cli("pull", "kernels-test/other@v1")
+    ls = cli("ls")
+    assert ls.returncode == 0
+    assert "kernels-test/relu@" in ls.stdout and "(v1)" in ls.stdout and "torch-cpu" in ls.stdout
+    rows = [json.loads(line) for line in cli("ls", "--json").stdout.splitlines()]
+    assert len(rows) == 3
+    du = json.loads(cli("du", "--json").stdout)
+    assert du["variants"] == 3 and du["repos"] == 2
+    # identical files across relu's two variants and `other` are stored once
+    assert du["objects"] < sum(r["files"] for r in rows)
+    ok = cli("verify", "--all")
+    assert ok.returncode == 0 and "3 variants verified (full re-hash)" in ok.stdout
+
+
+def test_verify_catches_a_changed_byte(hub, repos):
+    row = json.loads(cli("pull", "kernels-test/relu@v1", "--json").stdout)
+    target = Path(row["path"]) / "_impl.py"
+    os.chmod(target, 0o644)
+    data = bytearray(target.read_bytes())
+    data[-2] ^= 1
+    target.write_bytes(bytes(data))
+    os.utime(target, ns=(0, 0))  # even with the stamp's mtime faked, --all re-hashes
+    out = cli("verify", "--all")
+    assert (
+        out.returncode == 1
+        and "CORRUPT kernels-test/relu@" in out.stdout
+        and "_impl.py" in out.stdout
+    )
+
+
+def test_prune_keeps_installed_and_locked_and_drops_orphans(hub, repos, tmp_path):
+    cli("pull", "kernels-test/relu@v1")
+    project = _project(tmp_path, {"kernels-test/other": 1})
+    assert cli("lock", str(project)).returncode == 0
+    cache = Path(os.environ["KERNELS_CACHE"]) / "v1"
+    orphan_tree = cache / "trees" / ("0" * 64)
+    orphan_tree.mkdir(parents=True)
+    (orphan_tree / "x").write_text("x")
+    dry = cli("prune", "--dry-run", "--lockfile", str(project / "kernels.lock"))
+    assert dry.returncode == 0 and "would remove 1 trees" in dry.stdout
+    assert orphan_tree.exists()
+    out = cli("prune", "--lockfile", str(project / "kernels.lock"))
+    assert out.returncode == 0 and not orphan_tree.exists()
+    # what was installed still loads with zero requests
+    hub.reset_requests()
+    loaded = run_python(
+        "import kernels; print(kernels.get_kernel('kernels-test/relu', version=1).VALUE)"
+    )
+    assert loaded.stdout.strip() == "1", loaded.stderr
+    assert [r for r in hub.requests if "agent-harnesses" not in r[1]] == []
+
+
+# -- info, versions, env -------------------------------------------------------------------
+
+
+def test_info_hub_and_local(hub, repos, tmp_path):
+    out = cli("info", "kernels-test/relu@v1")
+    assert out.returncode == 0, out.stderr
+    assert repos["v1"] in out.stdout and "torch-cpu: compatible, preferred" in out.stdout
+    local = tmp_path / "k"
+    for rel, content in kernel_files(value=3).items():
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_text(content)
+    data = json.loads(cli("info", str(local), "--json").stdout)
+    assert data["metadata"]["name"] == "relu"
+    assert data["variants"] == ["torch-universal: compatible, preferred"]
+
+
+def test_versions_online_and_offline(hub, repos):
+    data = json.loads(cli("versions", "kernels-test/relu", "--json").stdout)
+    assert [(v["version"], v["commit"]) for v in data["versions"]] == [
+        (1, repos["v1"]),
+        (2, repos["v2"]),
+    ]
+    assert data["versions"][0]["variant"] == "torch-cpu"
+    cli("pull", "kernels-test/relu@v1")
+    offline = json.loads(
+        cli("versions", "kernels-test/relu", "--json", env={"HF_HUB_OFFLINE": "1"}).stdout
+    )
+    assert [v["version"] for v in offline["versions"]] == [1]
+    text = cli("versions", "kernels-test/relu").stdout
+    assert "v1" in text and "-> torch-cpu" in text
+
+
+def test_env(hub, repos):
+    cli("pull", "kernels-test/relu@v1")
+    data = json.loads(cli("env", "--json").stdout)
+    assert data["kernels"].startswith("0.18.")
+    assert data["backend"] == "cpu" and data["cache"] == os.environ["KERNELS_CACHE"]
+    assert data["endpoint"] == os.environ["HF_ENDPOINT"] and data["offline"] is False
+    assert data["cached_kernels"] == [
+        {"repo_id": "kernels-test/relu", "ref": "v1", "commit": repos["v1"], "variant": "torch-cpu"}
+    ]
+    text = cli("env").stdout
+    assert "torch:" in text and "cached kernels" in text
+
+
+# -- lock and sync -------------------------------------------------------------------------
+
+
+def _project(tmp_path: Path, deps: dict) -> Path:
+    project = tmp_path / "project"
+    project.mkdir(exist_ok=True)
+    lines = ["[project]", 'name = "demo"', 'version = "0"', "", "[tool.kernels.dependencies]"]
+    lines += [f'"{repo}" = {json.dumps(value)}' for repo, value in deps.items()]
+    (project / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    return project
+
+
+def test_lock_records_every_variant_and_sync_verifies(hub, repos, tmp_path):
+    project = _project(tmp_path, {"kernels-test/relu": 1, "kernels-test/other": "v1"})
+    out = cli("lock", str(project))
+    assert out.returncode == 0, out.stderr
+    lock = json.loads((project / "kernels.lock").read_text())
+    assert lock["schema"] == 1
+    relu = next(k for k in lock["kernels"] if k["repo_id"] == "kernels-test/relu")
+    assert relu["commit"] == repos["v1"] and relu["requested"] == {"version": 1}
+    assert sorted(relu["variants"]) == ["torch-cpu", "torch-universal"]
+    assert all(len(s) == 64 for files in relu["variants"].values() for s in files.values())
+    other = next(k for k in lock["kernels"] if k["repo_id"] == "kernels-test/other")
+    assert other["requested"] == {"revision": "v1"}
+    out = cli("sync", "--frozen", str(project))
+    assert out.returncode == 0, out.stderr
+    assert "2 kernels match" in out.stdout
+
+
+def test_sync_frozen_refuses_a_stale_lock(hub, repos, tmp_path):
+    project = _project(tmp_path, {"kernels-test/relu": 1})
+    cli("lock", str(project))
+    _project(tmp_path, {"kernels-test/relu": 2})  # pyproject moved on, the lock did not
+    out = cli("sync", "--frozen", str(project))
+    assert out.returncode == 1
+    _no_traceback(out)
+    assert "out of date" in out.stderr and "kernels lock" in out.stderr
+    _project(tmp_path, {"kernels-test/relu": 1, "kernels-test/other": 1})
+    assert cli("sync", "--frozen", str(project)).returncode == 1
+
+
+def test_sync_refuses_bytes_that_differ_from_the_lock(hub, repos, tmp_path):
+    project = _project(tmp_path, {"kernels-test/relu": 1})
+    cli("lock", str(project))
+    path = project / "kernels.lock"
+    lock = json.loads(path.read_text())
+    files = lock["kernels"][0]["variants"]["torch-cpu"]
+    files["__init__.py"] = "f" * 64
+    path.write_text(json.dumps(lock))
+    out = cli("sync", str(project))
+    assert out.returncode == 1 and "differ from the lock" in out.stderr
+    _no_traceback(out)
+    code = f"""
+        import kernels
+        try:
+            kernels.get_locked_kernel('kernels-test/relu', lockfile={str(path)!r})
+        except kernels.IntegrityError as e:
+            print('refused')
+    """
+    assert run_python(code).stdout.strip() == "refused"
+
+
+def test_reference_lock_formats(hub, repos, tmp_path):
+    ref17 = tmp_path / "ref17.lock"
+    ref17.write_text(
+        json.dumps(
+            [
+                {
+                    "dependency": {"repo-id": "kernels-test/relu", "version": 1},
+                    "lock": {"commit": repos["v1"]},
+                }
+            ]
+        )
+    )
+    ref16 = tmp_path / "ref16.lock"
+    ref16.write_text(
+        json.dumps(
+            [
+                {
+                    "repo_id": "kernels-test/relu",
+                    "sha": repos["v2"],
+                    "variants": {
+                        "torch-universal": {"hash": "sha256-x", "hash_type": "git_lfs_concat"}
+                    },
+                }
+            ]
+        )
+    )
+    code = f"""
+        import kernels
+        a = kernels.get_locked_kernel('kernels-test/relu', lockfile={str(ref17)!r})
+        b = kernels.get_locked_kernel('kernels-test/relu', lockfile={str(ref16)!r})
+        print(a.VALUE, b.VALUE)
+    """
+    out = run_python(code)
+    assert out.stdout.strip() == "1 2", out.stderr
+
+
+def test_lockfile_discovery_and_locked_load_without_requests(hub, repos, tmp_path):
+    project = _project(tmp_path, {"kernels-test/relu": 1})
+    cli("lock", str(project))
+    sub = project / "src" / "pkg"
+    sub.mkdir(parents=True)
+    code = "import kernels; print(kernels.get_locked_kernel('kernels-test/relu').VALUE)"
+    subprocess.run(
+        [sys.executable, "-c", code], cwd=sub, capture_output=True, text=True, env=dict(os.environ)
+    )
+    hub.reset_requests()
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=sub, capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert out.stdout.strip() == "1", out.stderr
+    assert [r for r in hub.requests if "agent-harnesses" not in r[1]] == []
+    # KERNELS_LOCKFILE wins over the working directory; load_kernel never downloads.
+    code = "import kernels; print(kernels.load_kernel('kernels-test/relu').VALUE)"
+    out = run_python(code, env={"KERNELS_LOCKFILE": str(project / "kernels.lock")})
+    assert out.stdout.strip() == "1", out.stderr
+    missing = run_python("import kernels; kernels.get_locked_kernel('kernels-test/relu')")
+    assert "LockfileError" in missing.stderr
+
+
+# -- the air-gapped flow -------------------------------------------------------------------
+
+
+def _requests_at(url: str) -> list:
+    with urllib.request.urlopen(f"{url}/_mirror/requests") as r:
+        data = json.loads(r.read())
+    return [x for x in data["requests"] if "agent-harnesses" not in x[1]]
+
+
+def test_pull_export_serve_sync_frozen_then_load_with_zero_requests(hub, repos, tmp_path):
+    # On the connected machine: lock, pull what the lock pins, export.
+    project = _project(tmp_path, {"kernels-test/relu": 1, "kernels-test/other": 1})
+    assert cli("lock", str(project)).returncode == 0
+    assert (
+        cli(
+            "pull", "--locked", "--lockfile", str(project / "kernels.lock"), "--all-variants"
+        ).returncode
+        == 0
+    )
+    export = tmp_path / "export"
+    out = cli("export", str(export))
+    assert out.returncode == 0, out.stderr
+    assert "kernels-test" in (export / "kernels-mirror.toml").read_text()
+    # On the cluster: serve the export, an empty cache, sync --frozen, then load.
+    server = subprocess.Popen(
+        [KERNELS, "serve", str(export), "--port", "0"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        url = server.stdout.readline().strip().rsplit(" ", 1)[-1]
+        cluster = {
+            "HF_ENDPOINT": url,
+            "KERNELS_CACHE": str(tmp_path / "cluster-cache"),
+            "HF_HOME": str(tmp_path / "cluster-hf"),
+        }
+        out = cli("sync", "--frozen", str(project), env=cluster)
+        assert out.returncode == 0, out.stderr
+        assert "2 kernels match" in out.stdout
+        _requests_at(url)
+        urllib.request.urlopen(
+            urllib.request.Request(f"{url}/_mirror/requests/reset", method="POST")
+        ).read()
+        code = """
+            import kernels
+            a = kernels.get_locked_kernel('kernels-test/relu')
+            b = kernels.get_kernel('kernels-test/other', version=1)
+            print(a.VALUE, b.VALUE)
+        """
+        out = subprocess.run(
+            [sys.executable, "-c", __import__("textwrap").dedent(code)],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **cluster},
+        )
+        assert out.stdout.strip() == "1 7", out.stderr
+        assert _requests_at(url) == []
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
