@@ -152,7 +152,7 @@ def test_flce_tied_embedding(fl):
     [
         None,
         dict(chunk=16384, block=4096, num_warps=8, spin=False),
-        dict(chunk=16384, block=16384, num_warps=16, spin=True),
+        dict(chunk=16384, block=16384, num_warps=16, spin=True, one_pass=True),
         dict(chunk=8192, block=2048, num_warps=4, spin=True, evict=True),
         dict(chunk=155648, block=8192, num_warps=16),
     ],

@@ -184,11 +184,11 @@ def test_bad_inputs_raise(fl):
 @pytest.mark.parametrize(
     "n,vocab,itemsize,budget,expect",
     [
-        (16384, 128256, 2, 504 * 2**20, 2048),  # 8 equal chunks of 2048 (501 MiB)
-        (16384, 151936, 2, 504 * 2**20, 1640),  # 10 chunks, the last 1624 rows
+        (16384, 128256, 2, 504 * 2**20, 2048),  # 8 chunks, a 501 MiB buffer
+        (16384, 151936, 2, 504 * 2**20, 1024),  # 2048 rows would need 594 MiB
         (1000, 50000, 2, 504 * 2**20, 1000),  # everything fits in one chunk
-        (300, 1000, 4, 40_000, 10),  # budget of exactly 10 rows: 30 chunks
-        (100, 1000, 4, 44_000, 10),  # 11 rows fit; 10 equal chunks of 10
+        (300, 1000, 4, 44_000, 8),  # 11 rows fit: 8
+        (5, 1000, 4, 1_000, 1),  # not even one row fits: one row at a time
     ],
 )
 def test_default_chunk_rows(fl, n, vocab, itemsize, budget, expect):

@@ -20,3 +20,10 @@ __all__ = [
     "silu",
     "silu_mul",
 ]
+
+# Losses: cross-entropy, fused linear + cross-entropy, transformers' ForCausalLMLoss drop-in.
+from .cross_entropy import cross_entropy  # noqa: E402
+from .fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
+from .loss_layers import ForCausalLMLoss  # noqa: E402
+
+__all__ += ["cross_entropy", "fused_linear_cross_entropy", "ForCausalLMLoss"]

@@ -120,3 +120,8 @@ class LayerNorm(nn.Module):
         if len(self.normalized_shape) != 1:
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         return layer_norm(input, self.weight, self.bias, self.eps)
+
+
+# Loss layers (loss_layers.py): transformers' *ForCausalLM forward with the fused linear
+# cross-entropy, and nn.CrossEntropyLoss on the CE kernel.
+from .loss_layers import CrossEntropyLoss, ForCausalLM  # noqa: E402, F401

@@ -1,0 +1,246 @@
+"""Loss layers: the causal-LM head with a fused linear cross-entropy, and drop-in CE losses.
+
+``ForCausalLM`` replaces the forward of transformers' ``*ForCausalLM`` classes that follow the
+Llama/Qwen3 pattern (``self.model`` returns ``last_hidden_state``, ``self.lm_head`` is a Linear,
+``self.loss_function`` is ``ForCausalLMLoss``). With ``labels`` it computes the loss straight from
+the hidden states and ``lm_head.weight`` (``fused_linear_cross_entropy``), never building the
+[tokens, vocab] logits:
+
+- training (``model.training``): ``logits`` is None, unless the call passes ``return_logits=True``;
+- eval: logits are computed as usual next to the fused loss (``return_logits=False`` skips them);
+- without ``labels`` it is the original forward, logits included.
+
+``ForCausalLMLoss`` is a drop-in for ``transformers.loss.loss_utils.ForCausalLMLoss``
+(``model.loss_function = ForCausalLMLoss``) and ``CrossEntropyLoss`` a layer for
+``nn.CrossEntropyLoss`` modules; both use the CE kernel and leave the logits they are given intact.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cross_entropy import cross_entropy
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
+
+
+class ForCausalLM(nn.Module):
+    """``XForCausalLM.forward`` (transformers 5.x) with the fused linear cross-entropy loss."""
+
+    has_backward = True
+    # The loss functions are torch.compiler.disable'd: a compiled model graph-breaks around them.
+    can_torch_compile = True
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        return causal_lm_forward(
+            self,
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            inputs_embeds,
+            labels,
+            use_cache,
+            logits_to_keep,
+            kwargs,
+        )
+
+
+class CrossEntropyLoss(nn.Module):
+    """``nn.CrossEntropyLoss.forward`` on the CE kernel for [N, C] logits and class targets.
+
+    Class weights, probability targets and [N, C, d...] inputs take torch's own path.
+    """
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_module_forward(self, input, target)
+
+
+def ForCausalLMLoss(  # noqa: N802 - the name transformers gives this loss
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """transformers' causal-LM loss (labels shifted left, mean over non-ignored tokens or
+    ``/ num_items_in_batch``) on the CE kernel; an fp32 loss, and ``logits`` are left intact."""
+    target = shift_left(labels, ignore_index) if shift_labels is None else shift_labels
+    return cross_entropy(
+        logits.reshape(-1, vocab_size),
+        target.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        num_items=num_items_in_batch,
+        inplace=False,  # the model also returns these logits to its caller
+    )
+
+
+def shift_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Token t predicts label t + 1; the last position gets ignore_index (as transformers does)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def cross_entropy_module_forward(module: nn.Module, input: torch.Tensor, target: torch.Tensor):
+    """What an ``nn.CrossEntropyLoss`` instance computes, with its own settings."""
+    if module.weight is not None or input.dim() != 2 or target.is_floating_point():
+        return F.cross_entropy(
+            input,
+            target,
+            weight=module.weight,
+            ignore_index=module.ignore_index,
+            reduction=module.reduction,
+            label_smoothing=module.label_smoothing,
+        )
+    loss = cross_entropy(
+        input,
+        target,
+        ignore_index=module.ignore_index,
+        label_smoothing=module.label_smoothing,
+        reduction=module.reduction,
+        inplace=False,
+    )
+    return loss.to(input.dtype)  # nn.CrossEntropyLoss returns the logits' dtype
+
+
+def keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The hidden states whose logits transformers' forward would compute (``logits_to_keep``)."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden[logits_to_keep]
+        return torch.take_along_dim(hidden, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        logits_to_keep = slice(-logits_to_keep, None)
+    return hidden[:, logits_to_keep, :]
+
+
+@functools.cache
+def _cache_arg(model_cls: type) -> str:
+    """The decoder's name for the KV cache: ``cache`` (transformers >= 5.2x) or the older one."""
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _head_logits(model: nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = model.lm_head(hidden)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _through_module(module: nn.Module, fn, *args):
+    """Run ``fn(*args)`` as ``module``'s forward, so that its hooks run around it: FSDP2 and
+    ZeRO-3 gather a sharded ``lm_head.weight`` in a pre-forward hook and reduce its gradient
+    after the backward, exactly as for ``module(*args)``."""
+    own = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        return module(*args)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def fused_causal_lm_loss(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    softcap: float | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """``ForCausalLMLoss`` of ``lm_head(hidden)`` without materialising the logits."""
+    ignore_index = kwargs.get("ignore_index", -100)
+    shift_labels = kwargs.get("shift_labels")
+    target = shift_left(labels, ignore_index) if shift_labels is None else shift_labels
+    target = target.reshape(-1).to(hidden.device)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if rows.shape[0] != target.shape[0]:
+        raise ValueError(
+            f"{rows.shape[0]} positions of hidden states but {target.shape[0]} labels; "
+            "with labels, pass logits_to_keep=0 (or matching shift_labels)"
+        )
+    head = model.lm_head
+
+    def loss_fn(x: torch.Tensor) -> torch.Tensor:
+        return fused_linear_cross_entropy(
+            x,
+            head.weight,
+            target,
+            head.bias,
+            ignore_index=ignore_index,
+            softcap=softcap,
+            num_items=kwargs.get("num_items_in_batch"),
+        )
+
+    return _through_module(head, loss_fn, rows)
+
+
+def causal_lm_forward(
+    model: nn.Module,
+    input_ids,
+    attention_mask,
+    position_ids,
+    cache,
+    inputs_embeds,
+    labels,
+    use_cache,
+    logits_to_keep,
+    kwargs: dict,
+):
+    """The body of ``ForCausalLM.forward`` (module-level: layers hold no helpers)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return_logits = kwargs.pop("return_logits", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if cache is None:  # the name transformers' deprecate_kwarg maps onto `cache`
+        cache = kwargs.pop("past_key_values", None)
+    cache_arg = _cache_arg(type(model.model))
+    outputs = model.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **{cache_arg: cache},
+        **kwargs,
+    )
+    hidden = keep_positions(outputs.last_hidden_state, logits_to_keep)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    loss = logits = None
+    if labels is None:
+        logits = _head_logits(model, hidden, softcap)
+    else:
+        loss = fused_causal_lm_loss(model, hidden, labels, softcap, kwargs)
+        if (not model.training) if return_logits is None else return_logits:
+            logits = _head_logits(model, hidden, softcap)
+    result = CausalLMOutputWithPast(
+        loss=loss,
+        logits=logits,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        **{cache_arg: getattr(outputs, cache_arg, None)},
+    )
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
+    return result if return_dict else result.to_tuple()
