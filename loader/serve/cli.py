@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from ..errors import KernelsError
+from .faults import FaultPlan, FaultSpecError
 from .mirror import Mirror
 from .server import MirrorServer
 
@@ -40,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
         help="send LFS files from the resolve URL itself instead of a 302 to the /_lfs/ route",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument(
+        "--faults",
+        metavar="SPEC",
+        help="misbehave on purpose, for reliability tests: e.g. '500:0.3,429:0.1:retry-after=1,"
+        "reset:0.1,truncate:0.1,slow:0.1:2s,corrupt:0.05,seed=7' (see kernels.serve.faults)",
+    )
     return parser
 
 
@@ -52,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.port <= 65535:
         print(f"kernels serve: error: port {args.port} is out of range", file=sys.stderr)
+        return 2
+    try:
+        faults = FaultPlan.parse(args.faults) if args.faults else None
+    except FaultSpecError as exc:
+        print(f"kernels serve: error: --faults: {exc}", file=sys.stderr)
         return 2
     try:
         Mirror(root).trusted_publishers()  # a broken config fails now, not at the first request
@@ -78,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             "it can read every repo (there is no authentication)",
             file=sys.stderr,
         )
+    if faults is not None:
+        server.faults = faults
+        print(f"kernels serve: injecting faults: {faults.describe()}", file=sys.stderr)
     stop = threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
+from .faults import reset_connection
 from .protocol import Request, Response, json_response
 from .routes import dispatch
 
@@ -70,6 +71,16 @@ class MirrorHandler(BaseHTTPRequestHandler):
         except Exception:
             traceback.print_exc(file=sys.stderr)
             response = json_response({"error": "internal error in the mirror server"}, 500)
+        faults = self.mirror_server.faults
+        fault = (
+            None if control or faults is None else faults.decide(self.command, raw_path, response)
+        )
+        if fault is not None:
+            if fault.kind == "reset":
+                self.close_connection = True
+                reset_connection(self.connection)
+                return
+            response = fault.apply(response)
         self._send(response)
 
     def _control(self, path: str) -> Response:

@@ -13,6 +13,7 @@ from pathlib import Path
 from socketserver import TCPServer
 from typing import Any, TextIO
 
+from .faults import FaultPlan
 from .handler import MirrorHandler
 from .mirror import Mirror
 
@@ -70,7 +71,8 @@ class MirrorServer:
     `tree_hook(repo_id, commit, entries) -> entries` rewrites tree listings before they are sent;
     `file_hook(repo_id, commit, path, data) -> data` rewrites file bodies of GETs (HEAD metadata
     keeps describing the true content); `lfs_redirect` picks a CDN-style 302 or inline LFS bytes;
-    `root` re-points the server at another folder (with fresh caches).
+    `root` re-points the server at another folder (with fresh caches); `faults` (a FaultPlan, see
+    kernels.serve.faults) makes the server misbehave on purpose.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class MirrorServer:
         self.lfs_redirect = lfs_redirect
         self.tree_hook: TreeHook | None = None
         self.file_hook: FileHook | None = None
+        self.faults: FaultPlan | None = None
         self.access_log = access_log
         self._log: list[tuple[str, str]] = []
         self._log_lock = threading.Lock()
