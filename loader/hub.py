@@ -8,6 +8,7 @@ and dropped connections. huggingface_hub is imported on first use, never at pack
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -92,9 +93,12 @@ def _classify(exc: BaseException, what: str) -> BaseException:
         raw = headers.get("retry-after") if hasattr(headers, "get") else None
         if raw:
             try:
-                retry_after = min(float(raw), MAX_RETRY_AFTER)
+                seconds = float(raw)
             except ValueError:
-                retry_after = None
+                seconds = math.nan  # e.g. an HTTP date: use our own backoff
+            # A negative, NaN or infinite value would make time.sleep raise or hang.
+            if math.isfinite(seconds) and seconds >= 0:
+                retry_after = min(seconds, MAX_RETRY_AFTER)
         return _Retryable(exc, retry_after)
     if status is not None:
         return HubUnavailable(f"{what}: the Hub answered HTTP {status}")
