@@ -29,6 +29,7 @@ from .errors import (
     NoCompatibleVariant,
     OfflineCacheMiss,
     RevisionNotFound,
+    UntrustedPublisher,
 )
 from .fetch import Listing, get_listing, install_variant
 from .importer import LoadedKernel, RepoInfo, get_loaded_kernels, import_tree
@@ -244,7 +245,9 @@ def _ensure_installed(
                 found = _run(
                     cache, spec, system, trust_remote_code, network=False, offline=True, **kwargs
                 )
-            except (OfflineCacheMiss, IntegrityError):
+            except (OfflineCacheMiss, IntegrityError, UntrustedPublisher):
+                # The cache cannot stand in; the failure to report is the Hub's, never a trust
+                # decision nobody was able to ask for.
                 raise exc from None
             notice_once(
                 f"unreachable:{spec.repo_id}",
