@@ -9,6 +9,7 @@ host fetch each file once while the others wait.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from pathlib import Path
 from kernels.cache import Cache, DigestMismatch, FileEntry, Manifest, ManifestError, check_relpath
 
 from . import hub
-from .errors import CacheError, IntegrityError, OfflineCacheMiss
+from .errors import CacheError, IntegrityError, KernelsError, OfflineCacheMiss
 from .hub import RemoteFile
 
 MAX_FILE_SIZE = 16 << 30
@@ -132,8 +133,11 @@ def fetch_object(
         return known
     state: dict = {}
 
+    # Local disk errors become CacheError where they happen: a KernelsError is never retried
+    # as if it were the network, and a network error is never reported as the disk's.
     def open_sink() -> tuple[Callable[[bytes], None], Callable[[], None]]:
-        writer = cache.objects.writer()
+        with _disk_errors(cache):
+            writer = cache.objects.writer()
         git = _git_blob_sha1(f.size)
         state["writer"], state["git"] = writer, git
 
@@ -143,36 +147,48 @@ def fetch_object(
                     f"{repo_id}@{commit[:12]}: build/{variant}/{f.path} is larger than the "
                     f"{f.size} bytes the listing promised"
                 )
-            writer.write(chunk)
+            with _disk_errors(cache):
+                writer.write(chunk)
             git.update(chunk)
 
         return write, writer.abort
 
     path = f"build/{variant}/{f.path}"
-    try:
-        hub.download_to(repo_id, commit, path, open_sink, on_progress=progress)
-    except OSError as exc:
-        if isinstance(exc, CacheError):
-            raise
-        raise CacheError(f"cannot write to the cache at {cache.root}: {exc}") from exc
+    hub.download_to(repo_id, commit, path, open_sink, on_progress=progress)
     writer, git = state["writer"], state["git"]
     where = f"{repo_id}@{commit[:12]}:{path}"
     if writer.size != f.size:
         writer.abort()
         raise IntegrityError(f"{where}: received {writer.size} bytes, expected {f.size}")
     try:
-        if f.lfs_sha256 is not None:
-            return writer.commit(f.lfs_sha256)
-        if git.hexdigest() != f.git_sha1:
-            writer.abort()
-            raise IntegrityError(
-                f"{where}: git blob id {git.hexdigest()} does not match the listing's {f.git_sha1}"
-            )
-        sha256 = writer.commit()
+        with _disk_errors(cache):
+            if f.lfs_sha256 is not None:
+                return writer.commit(f.lfs_sha256)
+            if git.hexdigest() != f.git_sha1:
+                writer.abort()
+                raise IntegrityError(
+                    f"{where}: git blob id {git.hexdigest()} does not match the listing's "
+                    f"{f.git_sha1}"
+                )
+            sha256 = writer.commit()
+            cache.objects.alias_put("git-sha1", f.git_sha1, sha256)
     except DigestMismatch as exc:
         raise IntegrityError(f"{where}: {exc}") from None
-    cache.objects.alias_put("git-sha1", f.git_sha1, sha256)
+    finally:
+        writer.abort()  # no-op after a commit; otherwise the temp file goes
     return sha256
+
+
+@contextlib.contextmanager
+def _disk_errors(cache: Cache):
+    """Turn an OSError of the local filesystem (full, read-only, ...) into a CacheError."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, KernelsError):
+            raise
+        reason = exc.strerror or str(exc)
+        raise CacheError(f"cannot write to the cache at {cache.root}: {reason}") from exc
 
 
 def install_variant(
@@ -208,5 +224,6 @@ def install_variant(
                 precheck(cache.objects.path(sha256).read_bytes())
             entries.append(FileEntry(f.path, sha256, f.size))
         manifest = Manifest(tuple(entries))
-        tree = cache.install(repo_id, commit, variant, manifest)
+        with _disk_errors(cache):
+            tree = cache.install(repo_id, commit, variant, manifest)
         return manifest, tree
