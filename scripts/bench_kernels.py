@@ -110,7 +110,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("floor / measured fwd+bwd time (1.0 = at the copy-bandwidth or matmul floor)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import warnings
 
 import torch
 
@@ -71,8 +72,20 @@ def pick_config(key: tuple, candidates: list[dict], launch) -> dict:
         return candidates[0]
     choice = _CHOICES.get(key)
     if choice is None:
-        for cfg in candidates:  # compile and warm every candidate first
-            launch(cfg)
+        launch(candidates[0])  # the default must work; its errors are the caller's
+        usable = [candidates[0]]
+        for cfg in candidates[
+            1:
+        ]:  # compile and warm the others; one this Triton rejects is skipped
+            try:
+                launch(cfg)
+            except Exception as exc:  # noqa: BLE001 - a compile failure only removes a candidate
+                warnings.warn(
+                    f"kernel config {cfg} skipped: {type(exc).__name__}: {exc}", stacklevel=2
+                )
+                continue
+            usable.append(cfg)
+        candidates = usable
         events = []
         for cfg in candidates:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
