@@ -1,0 +1,306 @@
+"""End-to-end training benchmark: a Qwen3-0.6B-shaped model, one GPU, four setups in one run.
+
+Setups (each in its own process, same initial weights, same token batches):
+  eager    transformers as is
+  compile  torch.compile of the whole model
+  liger    liger_kernel's _apply_liger_kernel_to_instance (defaults: rope, rms_norm, swiglu, FLCE)
+  ours     this project's kernels loaded the user's way: from_pretrained(..., use_kernels=True,
+           kernel_config=KernelConfig(kernel_mapping={...})) from a `kernels serve` mirror of
+           hub_kernels/ started by this script
+
+Reports step time (median after warm-up), tokens/s, peak memory and the loss curve against eager.
+Usage (GPU): python scripts/bench_train.py --out DIR [--steps 50] [--setups eager,liger,ours,compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO = "kernels-lab/training"
+# The layers this project binds, by the layer names the model declares. Qwen3MLP and
+# Qwen3ForCausalLM carry no layer name in transformers; `mark_fused_layers` gives them one.
+KERNEL_MAPPING = {
+    "RMSNorm": f"{REPO}:RMSNorm",
+    "rotary_pos_emb": f"{REPO}:rotary_pos_emb",
+    "SwiGLUMLP": f"{REPO}:SwiGLUMLP",
+    "ForCausalLM": f"{REPO}:ForCausalLM",
+}
+
+
+def qwen3_config(tiny: bool):
+    from transformers import Qwen3Config
+
+    if tiny:
+        return Qwen3Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+        )
+    return Qwen3Config(  # Qwen3-0.6B's shape
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    )
+
+
+def save_model(path: Path, tiny: bool) -> None:
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(qwen3_config(tiny)).to(torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def mark_fused_layers() -> None:
+    """Give Qwen3MLP and Qwen3ForCausalLM the layer names our repo serves (the one extra line a
+    user writes, as with Liger's apply function)."""
+    import kernels
+    from transformers.models.qwen3 import modeling_qwen3
+
+    kernels.replace_kernel_forward_from_hub(modeling_qwen3.Qwen3MLP, "SwiGLUMLP")
+    kernels.replace_kernel_forward_from_hub(modeling_qwen3.Qwen3ForCausalLM, "ForCausalLM")
+
+
+def child(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = args.device
+    kwargs = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
+    if device != "cpu":  # KernelConfig binds for the device the model is on at load time
+        kwargs["device_map"] = device
+    if args.child == "ours":
+        from transformers import KernelConfig
+
+        mark_fused_layers()
+        kwargs.update(
+            use_kernels=True, kernel_config=KernelConfig(kernel_mapping=dict(KERNEL_MAPPING))
+        )
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, **kwargs)
+    load_s = time.perf_counter() - t0
+    if args.child == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    model.train()
+    bound = None
+    if args.child == "ours":
+        import kernels
+
+        report = kernels.last_report(model)
+        bound = sum(1 for e in report.entries if e.status == "bound") if report else None
+    step_model = torch.compile(model) if args.child == "compile" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    gen = torch.Generator().manual_seed(1234)
+    vocab = model.config.vocab_size
+    batches = torch.randint(0, vocab, (args.steps, args.batch, args.seq), generator=gen)
+    losses, times = [], []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.steps):
+        ids = batches[step].to(device, non_blocking=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        losses.append(float(loss.detach()))
+    warm = times[args.warmup :] or times
+    step_s = statistics.median(warm)
+    out = {
+        "setup": args.child,
+        "load_s": load_s,
+        "first_step_s": times[0],
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": args.batch * args.seq / step_s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "losses": losses,
+        "bound_modules": bound,
+        "training_after": model.training,
+    }
+    if args.child == "ours":
+        from kernels import get_loaded_kernels
+
+        out["kernels"] = [k.describe() for k in get_loaded_kernels()]
+    return out
+
+
+def start_mirror(work: Path):
+    from kernels.serve import build_mirror
+
+    mirror = work / "mirror"
+    build_mirror(ROOT / "hub_kernels", mirror)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernels.cli.main", "serve", str(mirror), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    url = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+    return proc, url
+
+
+def table(rows: list[dict], steps: int, warmup: int) -> str:
+    eager = next((r for r in rows if r["setup"] == "eager" and "error" not in r), None)
+    lines = [
+        f"| setup | step (median of steps {warmup + 1}-{steps}) | tokens/s | peak memory | "
+        "max abs loss diff vs eager (all steps) | final loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['setup']} | error: {r['error']} | | | | |")
+            continue
+        diff = ""
+        if eager is not None and r is not eager:
+            diff = f"{max(abs(a - b) for a, b in zip(r['losses'], eager['losses'])):.4f}"
+        peak = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else "n/a"
+        lines.append(
+            f"| {r['setup']} | {r['step_ms']:.0f} ms | {r['tokens_per_s'] / 1e3:.1f} k | {peak} | {diff} | {r['losses'][-1]:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    ok = [r for r in rows if "error" not in r]
+    for r in ok:
+        a.plot(r["losses"], label=r["setup"])
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    a.legend()
+    a.set_title("training loss, same data and init")
+    names = [r["setup"] for r in ok]
+    b.bar(names, [r["tokens_per_s"] / 1e3 for r in ok])
+    b.set_ylabel("k tokens/s")
+    for i, r in enumerate(ok):
+        if r.get("peak_gib"):
+            b.text(i, r["tokens_per_s"] / 1e3, f"{r['peak_gib']:.1f} GiB", ha="center", va="bottom")
+    b.set_title("throughput (label: peak memory)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child")
+    p.add_argument("--model-dir")
+    p.add_argument("--setups", default="eager,liger,ours,compile")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
+    p.add_argument("--out", help="folder for train.json, train.md and train_loss.png")
+    args = p.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="bench-train-"))
+    model_dir = work / "model"
+    save_model(model_dir, args.tiny)
+    server, url = start_mirror(work)
+    env = dict(
+        os.environ, HF_ENDPOINT=url, HF_HUB_DISABLE_TELEMETRY="1", KERNELS_CACHE=str(work / "cache")
+    )
+    rows = []
+    try:
+        for setup in args.setups.split(","):
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                setup,
+                "--model-dir",
+                str(model_dir),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--device",
+                args.device,
+            ]
+            t = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+                rows.append({"setup": setup, "error": tail})
+                print(proc.stderr[-3000:], file=sys.stderr)
+            else:
+                rows.append(json.loads(line[7:]))
+            rows[-1]["wall_s"] = time.perf_counter() - t
+            print(f"{setup}: done in {rows[-1]['wall_s']:.0f} s", flush=True)
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / "train.json").write_text(json.dumps(rows, indent=1))
+    finally:
+        server.terminate()
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    versions = {"torch": torch.__version__}
+    for name in ("transformers", "triton", "liger_kernel", "kernels"):
+        try:
+            versions[name] = __import__("importlib.metadata").metadata.version(
+                name.replace("_", "-")
+            )
+        except Exception:
+            versions[name] = "n/a"
+    header = (
+        f"{time.strftime('%Y-%m-%d')}, {gpu}, "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + f". Qwen3-0.6B shape{' (tiny)' if args.tiny else ''}, random init, bf16, sdpa, batch "
+        f"{args.batch}x{args.seq}, AdamW(fused), {args.steps} steps."
+    )
+    text = header + "\n\n" + table(rows, args.steps, args.warmup)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        (out / "train.md").write_text(text + "\n")
+        plot(rows, out / "train_loss.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
