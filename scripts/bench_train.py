@@ -181,7 +181,9 @@ def table(rows: list[dict], steps: int, warmup: int) -> str:
             continue
         diff = ""
         if eager is not None and r is not eager:
-            diff = f"{max(abs(a - b) for a, b in zip(r['losses'], eager['losses'])):.4f}"
+            diff = (
+                f"{max(abs(a - b) for a, b in zip(r['losses'], eager['losses'], strict=True)):.4f}"
+            )
         peak = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else "n/a"
         lines.append(
             f"| {r['setup']} | {r['step_ms']:.0f} ms | {r['tokens_per_s'] / 1e3:.1f} k | {peak} | {diff} | {r['losses'][-1]:.4f} |"
