@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gated_mlp import gated_mlp
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
 from .rope import apply_rotary_pos_emb
-from .swiglu import gelu_mul, silu, silu_mul
+from .swiglu import GELU_ERF, GELU_TANH, SILU, gelu_mul, silu, silu_mul
 
 _SILU_CLASSES = {"SiLUActivation", "SiLU"}
 # Classes whose function is 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))).
@@ -96,7 +97,10 @@ class SwiGLUMLP(nn.Module):
             raise ValueError(
                 f"SwiGLUMLP needs a SiLU act_fn, got {name}; map this MLP to another layer"
             )
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        out = gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, SILU)
+        if out is None:
+            out = self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return out
 
 
 class GeGLUMLP(nn.Module):
@@ -107,7 +111,11 @@ class GeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         approximate = _gelu_approximate(self.act_fn)
-        return self.down_proj(gelu_mul(self.gate_proj(x), self.up_proj(x), approximate))
+        act = GELU_TANH if approximate == "tanh" else GELU_ERF
+        out = gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, act)
+        if out is None:
+            out = self.down_proj(gelu_mul(self.gate_proj(x), self.up_proj(x), approximate))
+        return out
 
 
 class LayerNorm(nn.Module):
