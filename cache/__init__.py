@@ -8,8 +8,6 @@ versioned (the `v1/` bucket) and documented in docs/cache.md.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from .fsutil import atomic_write_bytes, is_writable_dir
 from .manifest import FileEntry, Manifest, ManifestError, check_relpath
 from .objects import DigestMismatch, ObjectStore, ObjectWriter
 from .records import RecordStore, RepoIndex, ResolutionRecord, TrustRecord
+from .staging import Staging
 from .trees import TreeCheck, TreeStore
 
 FORMAT_VERSION = 1
@@ -66,12 +65,14 @@ class Cache:
     def __init__(self, root: Path | str):
         self.root = Path(root)
         self.base = self.root / f"v{FORMAT_VERSION}"
-        tmp = self.base / "tmp"
-        self.objects = ObjectStore(self.base / "objects", tmp)
-        self.trees = TreeStore(self.base / "trees", self.base / "stamps", tmp, self.objects)
+        self.staging = Staging(self.base / "tmp")
+        self.objects = ObjectStore(self.base / "objects", self.staging)
+        self.trees = TreeStore(
+            self.base / "trees", self.base / "stamps", self.staging, self.objects
+        )
         self.records = RecordStore(self.base / "refs", self.base / "trust")
         self.index = RepoIndex(self.base / "index", self.base / "manifests")
-        self.tmp = tmp
+        self.tmp = self.staging.root
         self.locks = self.base / "locks"
 
     # -- setup -----------------------------------------------------------------------------
@@ -126,18 +127,10 @@ class Cache:
                 self.objects.remove(entry.sha256)
 
     # -- maintenance -------------------------------------------------------------------------
-    def clean_tmp(self, older_than: float = 3600.0) -> None:
-        """Remove staging files left by crashed processes (older than `older_than` seconds)."""
-        if not self.tmp.is_dir():
-            return
-        cutoff = time.time() - older_than
-        for item in self.tmp.iterdir():
-            with contextlib.suppress(OSError):
-                if item.lstat().st_mtime < cutoff:
-                    if item.is_dir() and not item.is_symlink():
-                        shutil.rmtree(item, ignore_errors=True)
-                    else:
-                        item.unlink()
+    def clean_tmp(self, older_than: float = 3600.0) -> int:
+        """Remove what crashed processes left in tmp/: a dead process's folder at once (its
+        flock is gone), loose entries once older than `older_than` seconds. Returns the count."""
+        return self.staging.clean(older_than)
 
     def usage(self) -> Usage:
         usage = Usage()

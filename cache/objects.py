@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .fsutil import atomic_write_bytes, sha256_file
+from .staging import Staging
 
 
 class DigestMismatch(ValueError):
@@ -24,9 +25,9 @@ class ObjectStore:
     """Objects by sha256, plus aliases: other digests of the same bytes (e.g. a git blob id)
     that let a caller find an object it knows only by that other name."""
 
-    def __init__(self, root: Path, tmp: Path, aliases: Path | None = None):
+    def __init__(self, root: Path, staging: Staging, aliases: Path | None = None):
         self.root = root
-        self.tmp = tmp
+        self.staging = staging
         self.aliases = aliases if aliases is not None else root.parent / "aliases"
 
     def alias_get(self, algorithm: str, digest: str) -> str | None:
@@ -84,8 +85,7 @@ class ObjectWriter:
 
     def __init__(self, store: ObjectStore):
         self.store = store
-        store.tmp.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix="obj-", dir=store.tmp)
+        fd, name = tempfile.mkstemp(prefix="obj-", dir=store.staging.folder())
         self._fh = os.fdopen(fd, "wb")
         self._tmp = Path(name)
         self._hash = hashlib.sha256()

@@ -19,6 +19,7 @@ from pathlib import Path
 from .fsutil import atomic_write_json, read_json, sha256_file
 from .manifest import Manifest
 from .objects import ObjectStore
+from .staging import Staging
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,10 @@ def _stamp(st: os.stat_result) -> list[int]:
 
 
 class TreeStore:
-    def __init__(self, root: Path, stamps: Path, tmp: Path, objects: ObjectStore):
+    def __init__(self, root: Path, stamps: Path, staging: Staging, objects: ObjectStore):
         self.root = root
         self.stamps = stamps
-        self.tmp = tmp
+        self.staging = staging
         self.objects = objects
 
     def path(self, digest: str) -> Path:
@@ -53,8 +54,7 @@ class TreeStore:
         final = self.path(digest)
         if final.is_dir():
             return final
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix="tree-", dir=self.tmp))
+        staging = Path(tempfile.mkdtemp(prefix="tree-", dir=self.staging.folder()))
         try:
             for entry in manifest.files:
                 src = self.objects.path(entry.sha256)
@@ -116,8 +116,7 @@ class TreeStore:
         tree = self.path(digest)
         if not tree.exists():
             return
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        doomed = Path(tempfile.mkdtemp(prefix="dead-", dir=self.tmp))
+        doomed = Path(tempfile.mkdtemp(prefix="dead-", dir=self.staging.folder()))
         try:
             os.rename(tree, doomed / "tree")
         except OSError:
