@@ -23,7 +23,9 @@ from kernels.cache import Cache
 
 from tests.kernel_repos import metadata
 
+# Read at import: the root conftest clears KERNELS_* variables for each test.
 SOAK = os.environ.get("KERNELS_SOAK", "").strip() not in ("", "0")
+REPORT = os.environ.get("KERNELS_RELIABILITY_REPORT")
 
 soak_only = [
     pytest.mark.slow,
@@ -49,11 +51,10 @@ def fuzz(ci: int = 300, soak: int = 5000):
 
 def record(test: str, **figures) -> None:
     """Append one test's measured figures to $KERNELS_RELIABILITY_REPORT (when set)."""
-    path = os.environ.get("KERNELS_RELIABILITY_REPORT")
-    if not path:
+    if not REPORT:
         return
     line = json.dumps({"test": test, "soak": SOAK, **figures}, sort_keys=True)
-    with open(path, "a", encoding="utf-8") as fh:
+    with open(REPORT, "a", encoding="utf-8") as fh:
         fh.write(line + "\n")
 
 
@@ -164,8 +165,16 @@ def cache_problems(root: Path | str) -> list[str]:
 
 
 def tmp_leftovers(root: Path | str) -> list[str]:
+    """Files under tmp/ (staging folders of live processes are empty between operations;
+    their `.lock` files are ownership marks, not data)."""
     tmp = Cache(root).tmp
-    return sorted(p.name for p in tmp.iterdir()) if tmp.is_dir() else []
+    if not tmp.is_dir():
+        return []
+    return sorted(
+        p.relative_to(tmp).as_posix()
+        for p in tmp.rglob("*")
+        if not p.is_dir() and not p.name.endswith(".lock")
+    )
 
 
 def installed_variants(root: Path | str) -> list[tuple[str, str, str]]:
@@ -187,6 +196,24 @@ def bucket_snapshot(root: Path | str) -> dict[str, str]:
 
 
 # -- processes ---------------------------------------------------------------------------------
+
+# Child processes that only exercise the cache, the network and the locks hide torch (a machine
+# without torch, which the loader supports): importing it costs ~3 s of CPU per process, which
+# would dominate a CI run of dozens of processes on 2 cores. A soak run (KERNELS_SOAK=1) imports
+# it as users do.
+_HIDE_TORCH = "" if SOAK else "import sys; sys.modules['torch'] = None\n"
+
+
+def python_argv(code: str) -> list[str]:
+    """argv for a child interpreter running `code` (torch hidden outside a soak run)."""
+    return [sys.executable, "-c", _HIDE_TORCH + textwrap.dedent(code)]
+
+
+def cli_argv(*args: str) -> list[str]:
+    """argv for the `kernels` command line (the console script's main) in a child interpreter."""
+    return python_argv("import sys\nfrom kernels.cli.main import main\nsys.exit(main())") + list(
+        args
+    )
 
 
 def kernels_cli(
