@@ -215,12 +215,15 @@ def _ce_fwd_kernel(
                     sz = tl.sum(tl.load(rbase + 2, mask=kmask, other=0.0, volatile=True), 0)
         if done:
             lse = m + tl.log(s)
+            valid = (y >= 0) & (y < V)
+            y_safe = tl.where(valid, y, 0)
             owner = True  # the program that stores the row's loss
             if OWN_CHUNK:
-                owner = chunk == 0
+                # The program whose chunk holds the target: it reads the target logit before it
+                # overwrites its own chunk with the gradient. Any other program could read it
+                # after the target's program already wrote the gradient there (in place).
+                owner = chunk == y_safe // CHUNK
             if owner:
-                valid = (y >= 0) & (y < V)
-                y_safe = tl.where(valid, y, 0)
                 zy = _softcap(tl.load(row_in + y_safe).to(tl.float32), cap, HAS_SOFTCAP)
                 loss = lse - (1.0 - smoothing) * zy + lse_sq_scale * lse * lse
                 if HAS_SMOOTHING:
