@@ -54,6 +54,8 @@ _EXPORTS = {
     "BindReport": "layers",
     "BindEntry": "layers",
     "KernelFunction": "layers",
+    # training kernels, the Liger way
+    "liger_kernel_mapping": "liger_config",
     # errors
     "KernelsError": "errors",
     "InvalidSpec": "errors",

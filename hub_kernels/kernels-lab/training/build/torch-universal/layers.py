@@ -132,4 +132,4 @@ class LayerNorm(nn.Module):
 
 # Loss layers (loss_layers.py): transformers' *ForCausalLM forward with the fused linear
 # cross-entropy, and nn.CrossEntropyLoss on the CE kernel.
-from .loss_layers import CrossEntropyLoss, ForCausalLM  # noqa: E402, F401
+from .loss_layers import CrossEntropyLoss, ForCausalLM, ForCausalLMCrossEntropy  # noqa: E402, F401

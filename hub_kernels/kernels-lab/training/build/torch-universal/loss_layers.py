@@ -61,6 +61,40 @@ class ForCausalLM(nn.Module):
         )
 
 
+class ForCausalLMCrossEntropy(nn.Module):
+    """``XForCausalLM.forward`` that builds the logits as usual and computes the loss on the CE
+    kernel (for ``cross_entropy=True`` in a Liger-style config; ``ForCausalLM`` is leaner)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        return causal_lm_forward(
+            self,
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            inputs_embeds,
+            labels,
+            use_cache,
+            logits_to_keep,
+            kwargs,
+            fused=False,
+        )
+
+
 class CrossEntropyLoss(nn.Module):
     """``nn.CrossEntropyLoss.forward`` on the CE kernel for [N, C] logits and class targets.
 
@@ -207,8 +241,10 @@ def causal_lm_forward(
     use_cache,
     logits_to_keep,
     kwargs: dict,
+    fused: bool = True,
 ):
-    """The body of ``ForCausalLM.forward`` (module-level: layers hold no helpers)."""
+    """The body of ``ForCausalLM.forward`` (module-level: layers hold no helpers); with
+    ``fused=False`` the logits are built and the loss runs on the CE kernel."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return_logits = kwargs.pop("return_logits", None)
@@ -230,6 +266,16 @@ def causal_lm_forward(
     loss = logits = None
     if labels is None:
         logits = _head_logits(model, hidden, softcap)
+    elif not fused:
+        logits = _head_logits(model, hidden, softcap)
+        loss = ForCausalLMLoss(
+            logits,
+            labels,
+            logits.shape[-1],
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            ignore_index=kwargs.get("ignore_index", -100),
+            shift_labels=kwargs.get("shift_labels"),
+        )
     else:
         loss = fused_causal_lm_loss(model, hidden, labels, softcap, kwargs)
         if (not model.training) if return_logits is None else return_logits:

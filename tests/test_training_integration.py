@@ -1,0 +1,126 @@
+"""Training with this project's kernels on the CPU: the Liger-style switch, and transformers'
+Trainer keeping the kernels bound through train() (the kernels come from `kernels serve`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kernels
+import pytest
+import torch
+from kernels import InvalidSpec, liger_kernel_mapping
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO = "kernels-lab/training"
+
+
+def tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256, head_dim=16, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).float()
+
+
+@pytest.fixture
+def mirror(hub):
+    hub.build(ROOT / "hub_kernels")
+    return hub
+
+
+def test_liger_defaults_map_to_our_layers():
+    assert liger_kernel_mapping() == {
+        "rotary_pos_emb": f"{REPO}:rotary_pos_emb",
+        "RMSNorm": f"{REPO}:RMSNorm",
+        "SwiGLUMLP": f"{REPO}:SwiGLUMLP",
+        "ForCausalLM": f"{REPO}:ForCausalLM",
+    }
+    config = {
+        "rope": True,
+        "cross_entropy": True,
+        "fused_linear_cross_entropy": False,
+        "rms_norm": False,
+    }
+    assert liger_kernel_mapping(config) == {
+        "rotary_pos_emb": f"{REPO}:rotary_pos_emb",
+        "SwiGLUMLP": f"{REPO}:SwiGLUMLP",
+        "ForCausalLM": f"{REPO}:ForCausalLMCrossEntropy",
+    }
+    assert liger_kernel_mapping({"swiglu": False}, version=2)["RMSNorm"] == (
+        f"{REPO}:RMSNorm",
+        {"version": 2},
+    )
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"cross_entropy": True}, "both on"),  # FLCE is on by default, as in Liger
+        ({"swiglu": True, "geglu": True}, "both on"),
+        ({"rotary": True}, "unknown"),
+        ({"rope": "yes"}, "True or False"),
+    ],
+)
+def test_conflicts_and_bad_keys_are_clear_errors(config, message):
+    with pytest.raises(InvalidSpec, match=message) as err:
+        liger_kernel_mapping(config)
+    assert err.value.hint or "supported" in str(err.value) or "both" in str(err.value)
+
+
+@pytest.mark.parametrize("loss_key", ["fused_linear_cross_entropy", "cross_entropy"])
+def test_liger_style_mapping_trains_a_tiny_qwen3_like_the_original(mirror, loss_key):
+    from transformers import Qwen3ForCausalLM
+
+    config = {
+        "cross_entropy": loss_key == "cross_entropy",
+        "fused_linear_cross_entropy": loss_key != "cross_entropy",
+    }
+    mapping = liger_kernel_mapping(config, model_class=Qwen3ForCausalLM)
+    reference, model = tiny_qwen3(), tiny_qwen3()
+    report = kernels.apply_kernels(model, mapping, mode=kernels.Mode.TRAINING)
+    bound = [e for e in report if e.status == "bound"]
+    # 2 layers x (4 norms + rotary + MLP) + the final norm + the causal-LM head
+    assert len(bound) == 14, str(report)
+    ids = torch.randint(0, 256, (2, 12))
+    for m in (reference, model):
+        m.train()
+    out_ref = reference(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
+    if loss_key == "fused_linear_cross_entropy":
+        assert out.logits is None  # the fused loss never builds them in training
+    else:
+        torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_trainer_keeps_the_kernels_through_train(mirror, tmp_path):
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    tiny_qwen3().save_pretrained(tmp_path / "model")
+    layer = kernels.LayerRepository(REPO, layer_name="RMSNorm", version=1)
+    with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", use_kernels=True)
+        eval_report = kernels.last_report(model)
+        assert sum(e.status == "bound" for e in eval_report) == 9  # 2 layers x 4 norms + final
+        data = [{"input_ids": torch.randint(0, 256, (16,))} for _ in range(8)]
+        for row in data:
+            row["labels"] = row["input_ids"].clone()
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+            report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
+        )  # fmt: skip
+        result = Trainer(model=model, args=args, train_dataset=data).train()
+    train_report = kernels.last_report(model)
+    assert train_report.mode & kernels.Mode.TRAINING
+    assert all(e.status == "bound" for e in train_report if e.layer_name == "RMSNorm")
+    norm_forward = model.model.norm.forward
+    assert getattr(norm_forward, "__func__", None).__qualname__ == "RMSNorm.forward"
+    assert type(model.model.norm).__name__ == "Qwen3RMSNorm"
+    assert torch.isfinite(torch.tensor(result.training_loss))
