@@ -21,7 +21,6 @@ from kernels.cache import Cache, FileEntry, Manifest
 
 from . import settings
 from .errors import (
-    CacheError,
     HubUnavailable,
     IntegrityError,
     InvalidMetadata,
@@ -31,7 +30,7 @@ from .errors import (
     RevisionNotFound,
     UntrustedPublisher,
 )
-from .fetch import Listing, get_listing, install_variant
+from .fetch import Listing, cache_lock, get_listing, install_variant
 from .importer import LoadedKernel, RepoInfo, get_loaded_kernels, import_tree
 from .importer import get_kernel_dep as get_kernel_dep
 from .metadata import Metadata
@@ -223,12 +222,7 @@ def _ensure_installed(
         )
     except _NeedNetwork:
         pass
-    try:
-        cache.ensure()
-        lock = cache.lock(f"repo:{spec.repo_id}")
-    except OSError as exc:
-        raise CacheError(f"cannot write to the cache at {cache.root}: {exc}") from exc
-    with lock:
+    with cache_lock(cache, f"repo:{spec.repo_id}"):
         # Another process may have done the work while we waited: check the cache again.
         try:
             return _run(

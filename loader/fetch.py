@@ -180,6 +180,20 @@ def fetch_object(
 
 
 @contextlib.contextmanager
+def cache_lock(cache: Cache, name: str):
+    """Hold the cache's inter-process lock `name`; CacheError when the cache cannot be written
+    (taking a lock creates its file, so a read-only or full cache fails here, typed)."""
+    with _disk_errors(cache):
+        cache.ensure()
+        lock = cache.lock(name)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
 def _disk_errors(cache: Cache):
     """Turn an OSError of the local filesystem (full, read-only, ...) into a CacheError."""
     try:
@@ -206,12 +220,7 @@ def install_variant(
     `precheck` gets the bytes of metadata.json before anything else is downloaded, and may raise
     to stop the install (used for the GPU-arch check), leaving only that small file cached.
     """
-    try:
-        cache.ensure()
-        lock = cache.lock(f"variant:{repo_id}:{commit}:{variant}")
-    except OSError as exc:
-        raise CacheError(f"cannot write to the cache at {cache.root}: {exc}") from exc
-    with lock:
+    with cache_lock(cache, f"variant:{repo_id}:{commit}:{variant}"):
         done = cache.installed(repo_id, commit, variant)
         if done is not None:
             return done
