@@ -56,6 +56,9 @@ class TreeStore:
             return final
         staging = Path(tempfile.mkdtemp(prefix="tree-", dir=self.staging.folder()))
         try:
+            # mkdtemp makes the folder private (0700); a published tree is as readable as the
+            # objects it links to, so other users of a shared or read-only cache can import it.
+            os.chmod(staging, 0o755)
             for entry in manifest.files:
                 src = self.objects.path(entry.sha256)
                 dst = staging / entry.path
