@@ -100,6 +100,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         has_kernel,
         install_kernel,
     )
-    from .locked import get_locked_kernel, load_kernel  # noqa: F401
     from .errors import *  # noqa: F401,F403
     from .layers import *  # noqa: F401,F403
+    from .locked import get_locked_kernel, load_kernel  # noqa: F401
