@@ -176,13 +176,13 @@ def list_build_files(repo_id: str, commit: str) -> list[RemoteFile]:
             for item in data:
                 if not isinstance(item, dict) or item.get("type") != "file":
                     continue
-                lfs = item.get("lfs") if isinstance(item.get("lfs"), dict) else None
+                lfs = item.get("lfs") if isinstance(item.get("lfs"), dict) else {}
                 files.append(
                     RemoteFile(
                         str(item.get("path")),
                         item.get("size") if isinstance(item.get("size"), int) else -1,
-                        item.get("oid"),
-                        lfs.get("oid") if lfs else None,
+                        _text_or_none(item.get("oid")),
+                        _text_or_none(lfs.get("oid")),
                     )
                 )
             url = response.links.get("next", {}).get("url")  # the Hub pages long listings
@@ -195,6 +195,11 @@ def list_build_files(repo_id: str, commit: str) -> list[RemoteFile]:
         if "file not found" in exc.message:  # the commit has no build/ folder at all
             return []
         raise
+
+
+def _text_or_none(value: object) -> str | None:
+    """A digest field as the listing sent it, if it is text at all (validated by the caller)."""
+    return value if isinstance(value, str) else None
 
 
 def publisher_trusted(publisher: str) -> bool:
