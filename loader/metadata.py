@@ -48,7 +48,7 @@ class Metadata:
             raise InvalidMetadata(f"{where}: larger than {MAX_METADATA_BYTES} bytes")
         try:
             raw = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # deep nesting recurses
             raise InvalidMetadata(f"{where}: not valid JSON ({exc})") from None
         return cls.from_dict(raw, where=where)
 
@@ -101,7 +101,10 @@ class Metadata:
         if minver is not None and (not isinstance(minver, str) or not _MINVER.match(minver)):
             raise InvalidMetadata(f"{where}: kernels-minver must look like X.Y.Z, got {minver!r}")
         kdeps = []
-        for item in raw.get("kernel-depends", []) or []:
+        listed = raw.get("kernel-depends", []) or []
+        if not isinstance(listed, list):
+            raise InvalidMetadata(f"{where}: kernel-depends must be a list")
+        for item in listed:
             if (
                 not isinstance(item, dict)
                 or not isinstance(item.get("repo-id"), str)
