@@ -139,7 +139,10 @@ def parse_spec(
     text = text.strip()
     if text.startswith(("/", "~")) or (len(text) > 2 and text[1] == ":" and text[2] in "\\/"):
         path_text, layer = _split_layer(text, windows_drive=text[1:2] == ":")
-        path = Path(path_text).expanduser()
+        try:
+            path = Path(path_text).expanduser()
+        except (RuntimeError, ValueError):  # no such user, no home folder, a NUL byte
+            raise InvalidSpec(f"{text!r}: cannot expand '~' in this path") from None
         if not path.is_absolute():
             raise InvalidSpec(f"{text!r}: a local kernel path must be absolute")
         return KernelSpec(path=path, layer=layer)
