@@ -25,6 +25,19 @@ def tiny_qwen3():
     return Qwen3ForCausalLM(config).float()
 
 
+@pytest.fixture(autouse=True)
+def _restore_layer_names(monkeypatch):
+    """liger_kernel_mapping(model_class=...) names classes process-wide (as Liger patches them);
+    undo it after each test so other tests see transformers' classes as they are."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    for cls in (modeling_qwen3.Qwen3MLP, modeling_qwen3.Qwen3ForCausalLM, torch.nn.LayerNorm):
+        for attr in ("kernel_layer_name", "kernel_condition"):
+            monkeypatch.setattr(cls, attr, cls.__dict__.get(attr), raising=False)
+            if attr not in cls.__dict__:
+                monkeypatch.delattr(cls, attr)
+
+
 @pytest.fixture
 def mirror(hub):
     hub.build(ROOT / "hub_kernels")
