@@ -27,10 +27,8 @@ from tests.kernel_repos import metadata
 SOAK = os.environ.get("KERNELS_SOAK", "").strip() not in ("", "0")
 REPORT = os.environ.get("KERNELS_RELIABILITY_REPORT")
 
-soak_only = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not SOAK, reason="soak run only: set KERNELS_SOAK=1"),
-]
+# For tests that only a soak run makes: `@pytest.mark.slow` plus this.
+soak_only = pytest.mark.skipif(not SOAK, reason="soak run only: set KERNELS_SOAK=1")
 
 
 def trials(ci: int, soak: int) -> int:
@@ -49,13 +47,16 @@ def fuzz(ci: int = 300, soak: int = 5000):
     )
 
 
-def record(test: str, **figures) -> None:
-    """Append one test's measured figures to $KERNELS_RELIABILITY_REPORT (when set)."""
+def record(what: str, tried: int, **details) -> None:
+    """Append one measured row to $KERNELS_RELIABILITY_REPORT (when set): `what` was tried
+    `tried` times in the test now running. scripts/soak.py adds up rows with the same `what` and
+    marks them held (test passed) or not."""
     if not REPORT:
         return
-    line = json.dumps({"test": test, "soak": SOAK, **figures}, sort_keys=True)
+    node = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    row = {"what": what, "tried": tried, "node": node, "soak": SOAK, "details": details}
     with open(REPORT, "a", encoding="utf-8") as fh:
-        fh.write(line + "\n")
+        fh.write(json.dumps(row, sort_keys=True) + "\n")
 
 
 # -- fixture kernels (pure Python: importing torch in 32 processes would dominate the run) ------
@@ -70,16 +71,17 @@ def pure_kernel(
     plain: dict[str, bytes] | None = None,
     writer=None,
     init_code: str = "",
+    meta: dict | None = None,
 ) -> dict[str, str | bytes]:
     """Files of a kernel repo whose module has VALUE = value and `digests()` of its data files.
 
     `lfs` files are stored as git-lfs objects of `writer`'s repo; `plain` files as git blobs.
-    `init_code` runs at import (e.g. to write a marker file).
+    `init_code` runs at import (e.g. to write a marker file); `meta` adds metadata.json fields.
     """
     base = f"build/{variant}"
     data_names = sorted({*(lfs or {}), *(plain or {})})
     files: dict[str, str | bytes] = {
-        f"{base}/metadata.json": metadata(name),
+        f"{base}/metadata.json": metadata(name, **(meta or {})),
         f"{base}/__init__.py": textwrap.dedent(
             f"""\
             import hashlib
@@ -201,12 +203,12 @@ def bucket_snapshot(root: Path | str) -> dict[str, str]:
 # without torch, which the loader supports): importing it costs ~3 s of CPU per process, which
 # would dominate a CI run of dozens of processes on 2 cores. A soak run (KERNELS_SOAK=1) imports
 # it as users do.
-_HIDE_TORCH = "" if SOAK else "import sys; sys.modules['torch'] = None\n"
+_NO_TORCH = "import sys; sys.modules['torch'] = None\n"
 
 
-def python_argv(code: str) -> list[str]:
+def python_argv(code: str, *, hide_torch: bool = not SOAK) -> list[str]:
     """argv for a child interpreter running `code` (torch hidden outside a soak run)."""
-    return [sys.executable, "-c", _HIDE_TORCH + textwrap.dedent(code)]
+    return [sys.executable, "-c", (_NO_TORCH if hide_torch else "") + textwrap.dedent(code)]
 
 
 def cli_argv(*args: str) -> list[str]:
@@ -223,7 +225,7 @@ def kernels_cli(
     full_env = dict(os.environ)
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "kernels.cli.main", *args],
+        cli_argv(*args),
         capture_output=True,
         text=True,
         env=full_env,

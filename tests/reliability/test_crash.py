@@ -30,6 +30,7 @@ from tests.reliability.helpers import (
     python_argv,
     record,
     sha256,
+    soak_only,
     tmp_leftovers,
     trials,
     wait_for,
@@ -173,7 +174,13 @@ def test_kill_9_during_pull_never_leaves_a_partial_variant(hub, big, tmp_path):
         assert installed_variants(root) == [(REPO, big, "torch-universal")]
         assert _check_after_kill(root, env, big) == {"value": 5, "digests": DIGESTS}
     assert figures["killed_mid_transfer"] >= 1  # the kills did land inside downloads
-    record("crash-kill-9", trials=n, torch_imported=SOAK, **figures)
+    record(
+        "kill -9 of `kernels pull` at a random point of a multi-file download (4 MiB LFS)",
+        figures["kills"],
+        trials=n,
+        torch_imported=SOAK,
+        **figures,
+    )
 
 
 CLAIM = """
@@ -215,3 +222,72 @@ def test_a_normal_exit_leaves_tmp_empty(tmp_path):
     assert out.returncode == 0, out.stderr
     assert list(Cache(tmp_path).tmp.iterdir()) == []
     assert Cache(tmp_path).objects.has(sha256(b"abc"))
+
+
+HOLD = """
+    import sys, time
+    from kernels.cache import Cache
+    lock = Cache(sys.argv[1]).lock(sys.argv[2])  # kept referenced: a collected lock releases
+    lock.acquire()
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_pull_waits_for_a_live_lock_holder_and_not_for_a_dead_one(hub, big, tmp_path):
+    root = tmp_path / "cache"
+    env = {**os.environ, "KERNELS_CACHE": str(root)}
+    holder = subprocess.Popen(
+        python_argv(HOLD) + [str(root), f"repo:{REPO}"], stdout=subprocess.PIPE, text=True
+    )
+    pull = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        pull = subprocess.Popen(
+            cli_argv("pull", f"{REPO}@v1"), env=env, stdout=subprocess.PIPE, text=True
+        )
+        time.sleep(2.0)
+        assert pull.poll() is None  # a live holder: the pull waits
+        holder.kill()  # SIGKILL: the holder never releases the lock itself
+        holder.wait()
+        start = time.monotonic()
+        assert pull.wait(timeout=60) == 0
+        assert time.monotonic() - start < 30  # the OS freed the lock: the pull went on at once
+    finally:
+        for proc in (holder, pull):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert installed_variants(root) == [(REPO, big, "torch-universal")]
+    record("lock holder killed while a pull waits on it", 1)
+
+
+MIX = "500:0.2,429:0.05:retry-after=1,reset:0.1,truncate:0.1,corrupt:0.05"
+
+
+@pytest.mark.slow
+@soak_only
+def test_kill_9_under_random_faults(hub, big, tmp_path):
+    """Soak: kills land while the server also fails, resets, truncates and corrupts."""
+    rng = random.Random(4321)
+    n = 30
+    lost = 0
+    for trial in range(n):
+        root = tmp_path / f"cache-{trial}"
+        env = {**os.environ, "KERNELS_CACHE": str(root)}
+        spec = f"{MIX},slow:1:{SLOW}s:match=/_lfs/,seed={rng.randrange(1 << 30)}"
+        hub.server.faults = FaultPlan.parse(spec)
+        proc = subprocess.Popen(cli_argv("pull", f"{REPO}@v1"), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        time.sleep(rng.uniform(0.2, 4.0))
+        proc.kill()
+        proc.wait()
+        _check_after_kill(root, env, big)
+        hub.server.faults = None
+        done = subprocess.run(cli_argv("pull", f"{REPO}@v1"), env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert tmp_leftovers(root) == []
+        lost += _check_after_kill(root, env, big) != {"value": 5, "digests": DIGESTS}
+    assert lost == 0
+    record("kill -9 of `kernels pull` while the server injects random faults", n)

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import shutil
+from collections import Counter
 
 import kernels
 import pytest
@@ -67,13 +68,37 @@ specs = st.one_of(
 )
 
 
+WHAT = {
+    "test_spec_strings": "fuzz: kernel spec strings (parse_spec)",
+    "test_repo_ids": "fuzz: repo ids",
+    "test_revisions": "fuzz: revisions",
+    "test_metadata_json": "fuzz: metadata.json bytes (Metadata.from_bytes)",
+    "test_lockfiles": "fuzz: kernels.lock text (parse_lock)",
+    "test_hostile_listings": "fuzz: server tree listings over HTTP (tree_hook)",
+    "test_hostile_file_bodies": "fuzz: server file bodies over HTTP (file_hook)",
+    "test_hostile_retry_after": "fuzz: Retry-After header values over HTTP",
+}
+_SEEN: Counter = Counter()  # outcome -> cases run, for the test running now
+
+
+@pytest.fixture(autouse=True)
+def _count_cases(request):
+    _SEEN.clear()
+    yield
+    if _SEEN:
+        record(WHAT[request.node.originalname], sum(_SEEN.values()), outcomes=dict(_SEEN))
+
+
 def _typed(call, *args, **kwargs):
     """Run `call`; a KernelsError is an answer, any other exception fails the test."""
     try:
-        return call(*args, **kwargs)
+        result = call(*args, **kwargs)
     except KernelsError as exc:
         assert exc.message and "\n" not in exc.hint
+        _SEEN["refused"] += 1
         return None
+    _SEEN["accepted"] += 1
+    return result
 
 
 @fuzz()
@@ -332,7 +357,7 @@ def test_hostile_listings(hub, fuzz_cache, ops):
     finally:
         hub.server.tree_hook = None
         shutil.rmtree(root, ignore_errors=True)
-    _OUTCOMES["listing", outcome] = _OUTCOMES.get(("listing", outcome), 0) + 1
+    _SEEN[outcome] += 1
 
 
 bodies = st.one_of(
@@ -373,7 +398,7 @@ def test_hostile_file_bodies(hub, fuzz_cache, target, how):
     finally:
         hub.server.file_hook = None
         shutil.rmtree(root, ignore_errors=True)
-    _OUTCOMES["body", outcome] = _OUTCOMES.get(("body", outcome), 0) + 1
+    _SEEN[outcome] += 1
 
 
 @fuzz(ci=60, soak=1000)
@@ -386,6 +411,7 @@ def test_hostile_retry_after(hub, fuzz_cache, value, monkeypatch_session):
     )
     try:
         assert _load_target(hub, root) == "loaded"
+        _SEEN["loaded"] += 1
     finally:
         hub.server.faults = None
         shutil.rmtree(root, ignore_errors=True)
@@ -396,11 +422,3 @@ def monkeypatch_session(monkeypatch):
     """Retry-After is capped (30 s) before it is slept on; a small cap keeps the fuzz fast."""
     monkeypatch.setattr(hub_client, "MAX_RETRY_AFTER", 0.01)
     return monkeypatch
-
-
-_OUTCOMES: dict = {}
-
-
-def test_zz_record_fuzz_outcomes():
-    """Figures for docs/reliability.md (runs after the fuzz tests of this module)."""
-    record("fuzz-server-input", outcomes={f"{a}:{b}": n for (a, b), n in sorted(_OUTCOMES.items())})

@@ -29,6 +29,7 @@ from tests.reliability.helpers import (
     pure_kernel,
     record,
     sha256,
+    soak_only,
     tmp_leftovers,
     trials,
 )
@@ -87,7 +88,9 @@ def test_transient_faults_are_retried_with_backoff(hub, repo, kind):
     assert 0.5 <= gaps[1] < 0.5 * 1.25 + 0.5, gaps
     assert [e.fault for e in plan.attempts("/_lfs/")] == [kind, None]
     assert cache_problems(_cache()) == [] and tmp_leftovers(_cache()) == []
-    record(f"retry-{kind}", tried=sum(plan.injected.values()), held=sum(plan.injected.values()))
+    record(
+        f"transient `{kind}` on file downloads (retried with backoff)", sum(plan.injected.values())
+    )
 
 
 def test_persistent_download_failure_is_bounded_and_publishes_nothing(hub, repo):
@@ -102,6 +105,7 @@ def test_persistent_download_failure_is_bounded_and_publishes_nothing(hub, repo)
     _nothing_published()
     hub.server.faults = None
     _loaded_ok(kernels.get_kernel(REPO, version=1))  # and the next try completes
+    record("persistent 500 on a download (bounded: 4 attempts)", len(attempts))
 
 
 def test_persistent_metadata_failure_is_bounded(hub, repo):
@@ -127,6 +131,7 @@ def test_hostile_retry_after_values_are_survived(hub, repo, value):
     _loaded_ok(kernels.get_kernel(REPO, version=1))
     assert time.monotonic() - start < 5
     assert [e.fault for e in plan.attempts("table.bin") if e.method == "GET"] == ["429", None]
+    record("hostile Retry-After values (negative, NaN, text, ...)", 1)
 
 
 def test_read_timeouts_are_retried(hub, repo, monkeypatch):
@@ -139,6 +144,7 @@ def test_read_timeouts_are_retried(hub, repo, monkeypatch):
     for fragment in ("/revision/", "table.bin", "/_lfs/"):
         attempts = [e.fault for e in plan.attempts(fragment) if e.method == "GET"]
         assert attempts == ["delay", None], (fragment, attempts)
+    record("read timeouts (server holds the answer past the client timeout)", 3)
 
 
 # -- bytes that do not match their digest ------------------------------------------------------
@@ -157,22 +163,26 @@ def test_corrupt_bytes_are_refused_and_nothing_published(hub, repo, target):
     assert sha256(BLOB) not in stored or target != "/_lfs/"
     hub.server.faults = None
     _loaded_ok(kernels.get_kernel(REPO, version=1))
+    record("bytes that do not match their digest (IntegrityError, nothing published)", 1)
 
 
 # -- the Hub unreachable: the verified cache, one notice ------------------------------------
 
 
 @pytest.mark.parametrize("spec", ["503:1", "reset:1", "500:1:match=/revision/"])
-def test_unreachable_hub_falls_back_to_the_cache_with_one_notice(hub, repo, spec, caplog):
+def test_unreachable_hub_falls_back_to_the_cache_with_one_notice(
+    hub, repo, spec, caplog, monkeypatch
+):
     first = kernels.get_kernel(REPO, version=1)
     hub.server.faults = FaultPlan.parse(spec)
-    os.environ["KERNELS_RESOLVE_TTL"] = "0"  # every load asks the Hub (the fixture restores env)
+    monkeypatch.setenv("KERNELS_RESOLVE_TTL", "0")  # every load asks the Hub
     with caplog.at_level("WARNING", logger="kernels"):
         for _ in range(3):
             assert kernels.get_kernel(REPO, version=1) is first
     notices = [r.getMessage() for r in caplog.records]
     assert len(notices) == 1 and "unreachable" in notices[0], notices
     assert "trust" not in notices[0].lower()
+    record("Hub unreachable with a warm cache (fallback, one notice)", 3)
 
 
 def test_unreachable_hub_notice_in_a_new_process(hub, repo):
@@ -232,12 +242,10 @@ def test_random_fault_mix(hub, repo, tmp_path, monkeypatch):
         _loaded_ok(kernels.get_kernel(REPO, version=1))  # the next clean load completes
     assert outcomes["loaded"] + outcomes["typed_error"] == n
     record(
-        "random-fault-mix",
+        "random per-request fault mix (500, 429, reset, truncate, slow, corrupt) on a load",
+        sum(injected.values()),
         trials=n,
         faults=injected,
-        tried=sum(injected.values()),
-        held=sum(injected.values()),
-        lost=0,
         **outcomes,
     )
 
@@ -285,3 +293,14 @@ def test_cli_offline_miss_and_dead_endpoint(hub, repo):
     assert_user_error(out, "offline")
     out = kernels_cli("pull", f"{REPO}@v1", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
     assert_user_error(out, "could not reach")
+
+
+@pytest.mark.slow
+@soak_only
+def test_a_huge_retry_after_is_capped(hub, repo):
+    """Soak: Retry-After: 3600 waits the 30 s cap, not an hour."""
+    hub.server.faults = plan = FaultPlan.parse("429:first=1:retry-after=3600:match=table.bin")
+    _loaded_ok(kernels.get_kernel(REPO, version=1))
+    attempts = [e for e in plan.attempts("table.bin") if e.method == "GET"]
+    cap = hub_client.MAX_RETRY_AFTER
+    assert cap <= _gaps(attempts)[0] < cap * 1.25 + 1
