@@ -70,7 +70,10 @@ def config_path() -> Path:
 
 def _read_config() -> dict:
     path = config_path()
-    if not path.is_file():
+    try:
+        if not path.is_file():
+            return {}
+    except OSError:  # e.g. a HOME this user may not enter: no config it can read, so none
         return {}
     return load_toml(path)
 
