@@ -235,6 +235,12 @@ def test_read_only_cache_as_another_user(hub, repos, shared_dir):
     probe = _run(python_argv(AS_NOBODY + "open(os.environ['KERNELS_CACHE'] + '/x', 'w')"), env)
     assert "PermissionError" in probe.stderr  # the cache really is read-only for this user
     _check_read_only_cache(hub, cache, env, prefix=AS_NOBODY)
+    # A HOME this user may not enter (so the default config path cannot even be looked at).
+    private = shared_dir / "private-home"
+    private.mkdir(mode=0o700)
+    env = {k: v for k, v in env.items() if k != "KERNELS_CONFIG"} | {"HOME": str(private)}
+    env.pop("XDG_CONFIG_HOME", None)
+    _check_read_only_cache(hub, cache, env, prefix=AS_NOBODY)
     record("read-only cache, another user (root-populated, loaded as nobody)", 1)
 
 
