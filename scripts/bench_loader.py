@@ -74,7 +74,13 @@ class Server:
 
 
 def env_for(work: Path, url: str, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KERNELS_", "HF_"))}
+    # PYTHONDONTWRITEBYTECODE (set in some sandboxes) would make this project's freshly
+    # installed modules recompile in every process, while pip precompiled the reference's.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KERNELS_", "HF_")) and k != "PYTHONDONTWRITEBYTECODE"
+    }
     env.update(
         HF_ENDPOINT=url,
         HF_HOME=str(work / "hf-home"),
