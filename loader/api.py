@@ -119,7 +119,20 @@ def _run(
     commit = resolution.commit
     what = f"{repo_id}@{spec.ref if spec.ref == commit else f'{spec.ref} ({commit[:12]})'}"
     if network or offline:
-        ensure_trusted(cache, repo_id, trust_remote_code, offline=offline)
+        try:
+            ensure_trusted(cache, repo_id, trust_remote_code, offline=offline)
+        except UntrustedPublisher:
+            # Offline with no decision on record and nothing of this commit installed: the
+            # kernel is simply not cached (e.g. a pull was interrupted), which is what to say.
+            publisher = repo_id.split("/", 1)[0]
+            if not offline or cache.records.get_trust(publisher) is not None:
+                raise
+            if cache.index.installed_variants(repo_id, commit):
+                raise
+            raise OfflineCacheMiss(
+                f"{what}: offline, and this kernel is not cached",
+                hint=f"run `kernels pull {repo_id}@{spec.ref}` while online",
+            ) from None
     else:
         try:
             ensure_trusted(cache, repo_id, trust_remote_code, offline=True)
