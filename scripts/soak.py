@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     print("Tests: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ".\n")
     text, ok = table(rows, outcomes)
     print(text)
+    failed = sorted(node for node, outcome in outcomes.items() if outcome == "failed")
+    if failed:
+        print("\nFAILED: " + ", ".join(failed))
     print("\nFigures:\n")
     print(details(rows))
     return 0 if status == 0 and ok else 1

@@ -291,3 +291,30 @@ def test_kill_9_under_random_faults(hub, big, tmp_path):
         lost += _check_after_kill(root, env, big) != {"value": 5, "digests": DIGESTS}
     assert lost == 0
     record("kill -9 of `kernels pull` while the server injects random faults", n)
+
+
+def test_offline_load_after_a_pull_killed_at_the_trust_check(hub, big, tmp_path):
+    """The revision is resolved and recorded, then the pull dies while asking about the
+    publisher: offline, the kernel is not cached, and that is what the error says."""
+    root = tmp_path / "cache"
+    env = {**os.environ, "KERNELS_CACHE": str(root)}
+    hub.server.faults = plan = FaultPlan.parse("delay:first=1:30s:match=/overview")
+    proc = subprocess.Popen(cli_argv("pull", f"{REPO}@v1"), env=env, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: plan.attempts("/overview"), timeout=60)
+        proc.kill()
+    finally:
+        proc.wait()
+    assert Cache(root).records.get(REPO, "v1") is not None  # it got as far as resolving
+    hub.server.faults = None
+    code = """
+        import kernels
+        try:
+            kernels.get_kernel('crash-lab/big', version=1)
+        except kernels.OfflineCacheMiss as exc:
+            print(exc)
+    """
+    out = subprocess.run(python_argv(code), capture_output=True, text=True,
+                         env={**env, "HF_HUB_OFFLINE": "1"}, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "not cached" in out.stdout and "kernels pull crash-lab/big@v1" in out.stdout

@@ -338,7 +338,7 @@ def _load_target(hub, root) -> str:
         assert module.VALUE == 2
         [(repo, commit, variant)] = [e for e in installed_variants(root) if e[0] == TARGET]
         blob = Cache(root).installed(repo, commit, variant)[1] / "blob.bin"
-        assert not blob.exists() or sha256(blob.read_bytes()) == sha256(BLOB)
+        assert not blob.is_file() or sha256(blob.read_bytes()) == sha256(BLOB)
         outcome = "loaded"
     assert cache_problems(root) == [], cache_problems(root)
     assert tmp_leftovers(root) == []
