@@ -109,8 +109,8 @@ def parse_lock(text: str, path: Path | None = None) -> Lockfile:
     """Parse a lock in this package's format or the reference's 0.16 / 0.17 formats."""
     try:
         data = json.loads(text)
-    except ValueError as exc:
-        raise _bad(path, f"not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise _bad(path, f"not valid JSON ({type(exc).__name__})") from None
     entries: list[LockEntry] = []
     try:
         if isinstance(data, dict):
@@ -160,7 +160,7 @@ def parse_lock(text: str, path: Path | None = None) -> Lockfile:
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise _bad(path, f"malformed entry ({type(exc).__name__}: {exc})") from None
     for entry in entries:
-        if not is_commit(entry.commit):
+        if not isinstance(entry.commit, str) or not is_commit(entry.commit):
             raise _bad(path, f"{entry.repo_id}: commit {entry.commit!r} is not a 40-hex commit id")
         for variant, files in (entry.variants or {}).items():
             for rel, sha in files.items():
