@@ -175,3 +175,88 @@ def test_every_backward_candidate(kt, shape):
             torch.bfloat16,
             f"y {cfg}",
         )
+
+
+SAVE_OUTPUT_CASES = [
+    ((37, 1000), "contiguous"),
+    ((2, 3, 4, 128), "contiguous"),
+    ((9, 96), "row-strided"),
+]
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape,layout", SAVE_OUTPUT_CASES, ids=[f"{s}-{lay}" for s, lay in SAVE_OUTPUT_CASES]
+)
+def test_save_output_mode_grads(kt, shape, layout, dtype, gemma):
+    """save_output=True keeps y, not x, and recovers x̂ = y / w: the same gradients."""
+    x = make_x(shape, layout, dtype)
+    # Effective weights (1 + w for Gemma) of either sign, bounded away from zero: a zero entry
+    # is the documented limit of this mode (next test).
+    sign = torch.randint(0, 2, (shape[-1],)) * 2 - 1
+    w_eff = (torch.rand(shape[-1]) + 0.5) * sign
+    w = (w_eff - 1.0 if gemma else w_eff).to(dtype).requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = kt.rms_norm(x, w, 1e-6, gemma=gemma, save_output=True)
+    assert any(t is y for t in saved) and not any(t is x for t in saved)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64, w64 = leaf64(x), leaf64(w)
+    y64 = rms_norm64(x64, w64, 1e-6, gemma)
+    y64.backward(dy.double())
+    assert x.grad.dtype == dtype
+    assert_close(y, y64, dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    assert_close(w.grad, w64.grad, dtype, "dw")
+
+
+def test_save_output_mode_zero_weight_is_nan_not_wrong(kt):
+    """A zero weight entry loses x̂ in that column: its gradients must be NaN, never a number."""
+    x = torch.randn(5, 64, requires_grad=True)
+    w = torch.rand(64) + 0.5
+    w[7] = 0.0
+    w.requires_grad_()
+    kt.rms_norm(x, w, 1e-6, save_output=True).backward(torch.randn(5, 64))
+    assert torch.isnan(w.grad[7]) and torch.isnan(x.grad[:, 7]).all()
+    assert torch.isfinite(w.grad[torch.arange(64) != 7]).all()
+
+
+def test_save_output_every_backward_candidate(kt):
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    x = torch.randn(45, 1000, dtype=torch.bfloat16)
+    w = torch.rand(1000, dtype=torch.bfloat16) + 0.5
+    dy = torch.randn_like(x)
+    y, rstd = mod.forward(x, w, 1e-6, False)
+    x64, w64 = leaf64(x.requires_grad_()), leaf64(w.requires_grad_())
+    rms_norm64(x64, w64, 1e-6).backward(dy.double())
+    for cfg in mod.bwd_candidates(45, 1000):
+        dx, dw = mod.backward(dy, y, w.detach(), rstd, False, True, cfg, from_y=True)
+        assert_close(dx, x64.grad, torch.bfloat16, f"dx {cfg}")
+        assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")
+
+
+def test_memory_efficient_layer_on_qwen3_norm(kt):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    ref = Qwen3RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(96) + 0.5)
+    mod = Qwen3RMSNorm(96, eps=1e-6)
+    mod.load_state_dict(ref.state_dict())
+    mod.forward = types.MethodType(kt.layers.MemoryEfficientRMSNorm.forward, mod)
+    x = torch.randn(2, 9, 96)
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y = ref(xr), mod(xo)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    dy = torch.randn_like(y)
+    y_ref.backward(dy)
+    y.backward(dy)
+    torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mod.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)

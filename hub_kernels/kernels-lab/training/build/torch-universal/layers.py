@@ -48,6 +48,22 @@ class RMSNorm(nn.Module):
         return rms_norm(hidden_states, self.weight, _eps(self))
 
 
+class MemoryEfficientRMSNorm(nn.Module):
+    """RMSNorm that keeps its output, not its input, for the backward (x̂ = y / weight).
+
+    Where the next layer saves the output anyway (the input norm before q/k/v, the norm before
+    the MLP), the input is no longer kept alive: one [tokens, hidden] tensor less per norm. A
+    weight entry of exactly zero makes that column's gradients NaN; use ``RMSNorm`` for such
+    weights.
+    """
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, _eps(self), save_output=True)
+
+
 class GemmaRMSNorm(nn.Module):
     """GemmaRMSNorm: (1 + weight) scaling, all in fp32, cast to the input dtype at the end."""
 

@@ -4,7 +4,13 @@ Llama mode (HF LlamaRMSNorm / Qwen3RMSNorm): rstd from x in fp32, ``x * rstd`` c
 input dtype, then multiplied by the weight in the promoted dtype of weight and input.
 Gemma mode (HF GemmaRMSNorm): everything in fp32 with ``(1 + weight)``, cast to the input dtype.
 
-The forward keeps one fp32 rstd per row. The backward is persistent: each program walks a
+The forward keeps one fp32 rstd per row. The backward needs x̂ = x·rstd: by default it keeps the
+input x; with ``save_output=True`` it keeps the output y instead and recovers x̂ = y / w (as apex's
+``memory_efficient`` norms do). A model's linear layers save y anyway, so that mode stores nothing
+of its own but rstd; its price is that a weight entry of exactly zero makes that column's
+gradients NaN (loudly wrong, never silently).
+
+The backward is persistent: each program walks a
 contiguous range of rows, writes dx, and keeps its share of dW in fp32 registers; a second small
 kernel sums the per-program partials, so dW is deterministic and needs no atomics.
 """
@@ -70,14 +76,18 @@ def _load_rows(DY, X, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PART, M, N, stride_dy, stride_x, stride_dx, rows_per_program,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr,
-    COMPUTE_DW: tl.constexpr, PREFETCH: tl.constexpr, ACC_2D: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, PREFETCH: tl.constexpr, ACC_2D: tl.constexpr, FROM_Y: tl.constexpr,
 ):  # fmt: skip
+    # FROM_Y: X points at the forward's output y, and x̂ = y / w.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     if GEMMA:
         w = w + 1.0
+    if FROM_Y:
+        # 1/0 = inf and 0 * inf = NaN: a zero weight poisons its column instead of lying.
+        w_inv = tl.where(cmask, 1.0 / w, 0.0)
     # ACC_2D keeps dW per row of the tile and reduces once at the end: no cross-warp reduction
     # per iteration, which pays off for short rows (q/k norms).
     if ACC_2D:
@@ -105,14 +115,19 @@ def _rms_norm_bwd_kernel(
         mask = (rows < row_end)[:, None] & cmask[None, :]
         dy = dy.to(tl.float32)
         x = x.to(tl.float32)
-        xhat = x * rstd[:, None]
+        if FROM_Y:
+            xhat = x * w_inv[None, :]
+        else:
+            xhat = x * rstd[:, None]
         g = dy * w[None, :]
         c = tl.sum(g * xhat, axis=1) / N
         dx = (g - xhat * c[:, None]) * rstd[:, None]
         dx_ptr = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
         tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            if GEMMA:
+            if GEMMA or FROM_Y:
+                # FROM_Y: y / w is already HF's rounded x̂ up to y's own rounding; rounding it
+                # again would double the error of dW.
                 contrib = dy * xhat
             else:
                 contrib = dy * xhat.to(X.dtype.element_ty).to(tl.float32)
@@ -219,7 +234,7 @@ def forward(x, weight, eps, gemma, cfg=None):
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
-def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg):
+def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False):
     m, n = x2.shape
     programs = min(cfg["per_sm"] * sm_count(x2.device), triton.cdiv(m, cfg["BLOCK_M"]))
     rows_per_program = triton.cdiv(m, programs)
@@ -231,30 +246,35 @@ def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg):
         dy2, x2, weight, rstd, dx, part, m, n,
         dy2.stride(0), x2.stride(0), dx.stride(0), rows_per_program,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, COMPUTE_DW=compute_dw,
-        PREFETCH=cfg["PREFETCH"], ACC_2D=cfg["ACC_2D"], num_warps=cfg["num_warps"],
+        PREFETCH=cfg["PREFETCH"], ACC_2D=cfg["ACC_2D"], FROM_Y=from_y,
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     return part
 
 
-def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None):
-    """Triton backward: returns (dx like x, dW like weight or an empty tensor)."""
+def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_dtype=None):
+    """Triton backward: returns (dx, dW like weight or an empty tensor).
+
+    With ``from_y`` the tensor passed as `x` is the forward's output y, and dx takes `x_dtype`.
+    """
     n = x.shape[-1]
     x2 = as_rows(x, n)
     dy2 = as_rows(dy, n)
     m = x2.shape[0]
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dx = torch.empty((m, n), dtype=x_dtype or x.dtype, device=x.device)
     if m == 0:
         dw = torch.zeros_like(weight) if compute_dw else weight.new_empty(0)
         return dx.view(x.shape), dw
     rstd = rstd.reshape(-1)
     if cfg is None:
-        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, weight.dtype, x.device, compute_dw)
+        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, weight.dtype, x.device, compute_dw,
+               from_y)  # fmt: skip
         cfg = pick_config(
             key,
             bwd_candidates(m, n),
-            lambda c: _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, c),
+            lambda c: _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, c, from_y),
         )
-    part = _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg)
+    part = _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y)
     dw = column_sum(part, weight.dtype) if compute_dw else weight.new_empty(0)
     return dx.view(x.shape), dw
 
@@ -270,16 +290,17 @@ def _torch_forward(x, weight, eps, gemma):
     return y, rstd
 
 
-def _torch_backward(dy, x, weight, rstd, gemma, compute_dw):
-    xhat = x.float() * rstd.unsqueeze(-1)
+def _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None):
     w = weight.float() + 1.0 if gemma else weight.float()
+    xhat = x.float() / w if from_y else x.float() * rstd.unsqueeze(-1)
+    x_dtype = x_dtype or x.dtype
     g = dy.float() * w
     dx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.unsqueeze(-1)
     dw = weight.new_empty(0)
     if compute_dw:
-        xw = xhat if gemma else xhat.to(x.dtype).float()
+        xw = xhat if gemma or from_y else xhat.to(x_dtype).float()
         dw = (dy.float() * xw).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    return dx.to(x.dtype), dw
+    return dx.to(x_dtype), dw
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -292,21 +313,21 @@ def _forward_any(x, weight, eps, gemma):
     return _torch_forward(x, weight, eps, gemma)
 
 
-def _backward_any(dy, x, weight, rstd, gemma, compute_dw):
+def _backward_any(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None):
     if _use_triton(x):
-        return backward(dy, x, weight, rstd, gemma, compute_dw)
-    return _torch_backward(dy, x, weight, rstd, gemma, compute_dw)
+        return backward(dy, x, weight, rstd, gemma, compute_dw, None, from_y, x_dtype)
+    return _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y, x_dtype)
 
 
 @torch.library.custom_op(op_name("rms_norm_fwd"), mutates_args=())
 def rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, save_output: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward_any(x, weight, eps, gemma)
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, eps, gemma):
+def _(x, weight, eps, gemma, save_output):
     y = x.new_empty(x.shape, dtype=out_dtype(x, weight, gemma))
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
@@ -314,31 +335,40 @@ def _(x, weight, eps, gemma):
 @torch.library.custom_op(op_name("rms_norm_bwd"), mutates_args=())
 def rms_norm_bwd(
     dy: torch.Tensor,
-    x: torch.Tensor,
+    saved: torch.Tensor,
     weight: torch.Tensor,
     rstd: torch.Tensor,
     gemma: bool,
     compute_dw: bool,
+    from_y: bool,
+    x_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward_any(dy, x, weight, rstd, gemma, compute_dw)
+    return _backward_any(dy, saved, weight, rstd, gemma, compute_dw, from_y, x_dtype)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd, gemma, compute_dw):
+def _(dy, saved, weight, rstd, gemma, compute_dw, from_y, x_dtype):
     dw = torch.empty_like(weight) if compute_dw else weight.new_empty(0)
-    return x.new_empty(x.shape), dw
+    return saved.new_empty(saved.shape, dtype=x_dtype), dw
+
+
+def _save(ctx, x, weight, y, rstd, gemma, save_output):
+    """Keep x, or y when `save_output` (x̂ = y / w then), for the backward."""
+    ctx.save_for_backward(y if save_output else x, weight, rstd)
+    ctx.gemma, ctx.from_y, ctx.x_dtype = gemma, save_output, x.dtype
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _eps, gemma = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.gemma = gemma
+    x, weight, _eps, gemma, save_output = inputs
+    _save(ctx, x, weight, output[0], output[1], gemma, save_output)
 
 
 def _backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_bwd(dy, x, weight, rstd, ctx.gemma, ctx.needs_input_grad[1])
-    return dx, (dw if ctx.needs_input_grad[1] else None), None, None
+    saved, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd(
+        dy, saved, weight, rstd, ctx.gemma, ctx.needs_input_grad[1], ctx.from_y, ctx.x_dtype
+    )
+    return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -348,24 +378,32 @@ class _RMSNormFunction(torch.autograd.Function):
     """The eager path: the same kernels without the custom-op dispatch cost on every call."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, gemma):
+    def forward(ctx, x, weight, eps, gemma, save_output):
         y, rstd = _forward_any(x, weight, eps, gemma)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.gemma = gemma
+        _save(ctx, x, weight, y, rstd, gemma, save_output)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
+        saved, weight, rstd = ctx.saved_tensors
         need_dw = ctx.needs_input_grad[1]
-        dx, dw = _backward_any(dy, x, weight, rstd, ctx.gemma, need_dw)
-        return dx, (dw if need_dw else None), None, None
+        dx, dw = _backward_any(dy, saved, weight, rstd, ctx.gemma, need_dw, ctx.from_y, ctx.x_dtype)
+        return dx, (dw if need_dw else None), None, None, None
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gemma: bool = False,
+    save_output: bool = False,
 ) -> torch.Tensor:
-    """RMSNorm of `x` over its last dim, HF Llama numerics (or Gemma's with ``gemma=True``)."""
+    """RMSNorm of `x` over its last dim, HF Llama numerics (or Gemma's with ``gemma=True``).
+
+    ``save_output=True`` keeps the output instead of the input for the backward (see the module
+    docstring): no memory of its own when the next layer saves the output anyway; a weight
+    entry of exactly zero then makes that column's gradients NaN.
+    """
     if torch.compiler.is_compiling():
-        return rms_norm_fwd(x, weight, float(eps), gemma)[0]
-    return _RMSNormFunction.apply(x, weight, float(eps), gemma)
+        return rms_norm_fwd(x, weight, float(eps), gemma, save_output)[0]
+    return _RMSNormFunction.apply(x, weight, float(eps), gemma, save_output)

@@ -81,8 +81,8 @@ def _glu_fwd_kernel(
 
 @triton.jit
 def _glu_bwd_kernel(
-    DC, A, B, DA, DB, numel, N, stride_a, stride_b,
-    ACT: tl.constexpr, CONTIG: tl.constexpr, BLOCK: tl.constexpr,
+    DC, A, B, DA, DB, numel, N, stride_a, stride_b, stride_da, stride_db,
+    ACT: tl.constexpr, CONTIG: tl.constexpr, OUT_CONTIG: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -90,8 +90,10 @@ def _glu_bwd_kernel(
     a = tl.load(A + _offsets(offs, N, stride_a, CONTIG), mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + _offsets(offs, N, stride_b, CONTIG), mask=mask, other=0.0).to(tl.float32)
     h = _act(a, ACT).to(A.dtype.element_ty).to(tl.float32)
-    tl.store(DB + offs, (dc * h).to(DB.dtype.element_ty), mask=mask)
-    tl.store(DA + offs, (dc * b * _act_grad(a, ACT)).to(DA.dtype.element_ty), mask=mask)
+    db = (dc * h).to(DB.dtype.element_ty)
+    da = (dc * b * _act_grad(a, ACT)).to(DA.dtype.element_ty)
+    tl.store(DB + _offsets(offs, N, stride_db, OUT_CONTIG), db, mask=mask)
+    tl.store(DA + _offsets(offs, N, stride_da, OUT_CONTIG), da, mask=mask)
 
 
 @triton.jit
@@ -137,17 +139,27 @@ def glu_forward(a, b, act, cfg=None):
     return c
 
 
-def glu_backward(dc, a, b, act, cfg=None):
-    """Triton gradients (da, db) of act(a) * b, recomputing act(a)."""
+def glu_backward(dc, a, b, act, cfg=None, out=None):
+    """Triton gradients (da, db) of act(a) * b, recomputing act(a).
+
+    `out`: optional (da, db) to write into, each [..., N] with unit stride along N (for example
+    the two halves of one [rows, 2N] buffer).
+    """
     a2, b2, n, contig = _glu_rows(a, b)
-    da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    db = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    if out is None:
+        da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+        db = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    else:
+        da, db = out
+    da2, db2 = da.view(-1, n), db.view(-1, n)
+    out_contig = (da2.stride(0) == n and db2.stride(0) == n) or da2.shape[0] <= 1
     numel = da.numel()
     if numel:
         cfg = cfg or elementwise_config(numel)
         _glu_bwd_kernel[(triton.cdiv(numel, cfg["BLOCK"]),)](
-            flat(dc), a2, b2, da, db, numel, n, a2.stride(0), b2.stride(0),
-            ACT=act, CONTIG=contig, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+            flat(dc), a2, b2, da2, db2, numel, n, a2.stride(0), b2.stride(0),
+            da2.stride(0), db2.stride(0), ACT=act, CONTIG=contig, OUT_CONTIG=out_contig,
+            BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
         )  # fmt: skip
     return da, db
 
@@ -178,12 +190,17 @@ def _glu_forward_any(a, b, act):
     return (_torch_act(a, act) * b).contiguous()
 
 
-def _glu_backward_any(dc, a, b, act):
+def _glu_backward_any(dc, a, b, act, out=None):
     if use_triton(a):
-        return glu_backward(dc, a, b, act)
+        return glu_backward(dc, a, b, act, out=out)
     h = _torch_act(a, act).float()
-    da = dc.float() * b.float() * _torch_act_grad(a, act)
-    return da.to(a.dtype).contiguous(), (dc.float() * h).to(b.dtype).contiguous()
+    da = (dc.float() * b.float() * _torch_act_grad(a, act)).to(a.dtype)
+    db = (dc.float() * h).to(b.dtype)
+    if out is None:
+        return da.contiguous(), db.contiguous()
+    out[0].copy_(da)
+    out[1].copy_(db)
+    return out
 
 
 def _act_forward_any(x, act):
