@@ -131,6 +131,22 @@ def test_num_items_in_batch_and_return_logits(ll, small_chunks):
     assert torch.equal(out.logits, ref.logits)
 
 
+def test_training_builds_no_kv_cache_unless_asked(ll, small_chunks):
+    model = tiny_model("qwen3", tied=True)
+    assert model.config.use_cache  # transformers would build a cache from this in training
+    ours = bound(model, ll)
+    ids, labels = batch()
+    assert model(input_ids=ids, labels=labels).past_key_values is not None
+    out = ours(input_ids=ids, labels=labels)
+    assert out.past_key_values is None
+    ref = model(input_ids=ids, labels=labels, use_cache=False)
+    assert rel_err(out.loss.detach(), ref.loss.detach()) < 1e-5
+    assert ours(input_ids=ids, labels=labels, use_cache=True).past_key_values is not None
+    assert ours(input_ids=ids).past_key_values is not None  # no labels: the original behaviour
+    ours.eval()
+    assert ours(input_ids=ids, labels=labels).past_key_values is not None
+
+
 def test_eval_and_no_labels_behave_like_the_original(ll):
     model = tiny_model("llama", tied=True).eval()
     ours = bound(model, ll)
