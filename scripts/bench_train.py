@@ -28,11 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 REPO = "kernels-lab/training"
 # The layers this project binds, by the layer names the model declares. Qwen3MLP and
 # Qwen3ForCausalLM carry no layer name in transformers; `mark_fused_layers` gives them one.
+# MemoryEfficientRMSNorm keeps the norm's output (which q/k/v and the MLP save anyway) instead of
+# its input; "ours-rmsnorm" runs the plain RMSNorm layer to show what that saves.
 KERNEL_MAPPING = {
-    "RMSNorm": f"{REPO}:RMSNorm",
+    "RMSNorm": f"{REPO}:MemoryEfficientRMSNorm",
     "rotary_pos_emb": f"{REPO}:rotary_pos_emb",
     "SwiGLUMLP": f"{REPO}:SwiGLUMLP",
     "ForCausalLM": f"{REPO}:ForCausalLM",
+}
+SETUP_MAPPINGS = {
+    "ours": KERNEL_MAPPING,
+    "ours-rmsnorm": {**KERNEL_MAPPING, "RMSNorm": f"{REPO}:RMSNorm"},
 }
 
 
@@ -84,35 +90,45 @@ def mark_fused_layers() -> None:
     kernels.replace_kernel_forward_from_hub(modeling_qwen3.Qwen3ForCausalLM, "ForCausalLM")
 
 
-def child(args) -> dict:
+def load_for_training(setup: str, model_dir, device: str):
+    """The model of `setup`, loaded and patched the way that setup's users do it, in train mode;
+    returns (model, load seconds, count of modules bound by this project or None)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    device = args.device
     kwargs = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
     if device != "cpu":  # KernelConfig binds for the device the model is on at load time
         kwargs["device_map"] = device
-    if args.child == "ours":
+    ours = setup in SETUP_MAPPINGS
+    if ours:
         from transformers import KernelConfig
 
         mark_fused_layers()
-        kwargs.update(
-            use_kernels=True, kernel_config=KernelConfig(kernel_mapping=dict(KERNEL_MAPPING))
-        )
+        mapping = dict(SETUP_MAPPINGS[setup])
+        kwargs.update(use_kernels=True, kernel_config=KernelConfig(kernel_mapping=mapping))
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     load_s = time.perf_counter() - t0
-    if args.child == "liger":
+    if setup == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
     model.train()
     bound = None
-    if args.child == "ours":
+    if ours:
         import kernels
 
         report = kernels.last_report(model)
         bound = sum(1 for e in report.entries if e.status == "bound") if report else None
+    return model, load_s, bound
+
+
+def child(args) -> dict:
+    import torch
+
+    device = args.device
+    ours = args.child in SETUP_MAPPINGS
+    model, load_s, bound = load_for_training(args.child, args.model_dir, device)
     step_model = torch.compile(model) if args.child == "compile" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     gen = torch.Generator().manual_seed(1234)
@@ -147,11 +163,69 @@ def child(args) -> dict:
         "bound_modules": bound,
         "training_after": model.training,
     }
-    if args.child == "ours":
+    if ours:
         from kernels import get_loaded_kernels
 
         out["kernels"] = [k.describe() for k in get_loaded_kernels()]
+    if args.profile and device == "cuda":
+        out["profile"] = profile_step(step_model, opt, batches[-1].to(device))
     return out
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")):
+        return "matmul"
+    if any(k in n for k in ("adam", "multi_tensor")):
+        return "optimizer"
+    if n.startswith("triton") or n.startswith("_"):
+        return "triton kernels"
+    if "memcpy" in n or "memset" in n or "copy" in n or "fill" in n or "cat" in n:
+        return "copies and fills"
+    return "other elementwise/reductions"
+
+
+def profile_step(model, opt, ids) -> dict:
+    """One training step under torch.profiler: GPU time by kernel category and the top kernels;
+    and the memory held at the end of the forward (params, optimizer state, activations)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss = model(input_ids=ids, labels=ids).loss
+    torch.cuda.synchronize()
+    after_forward = torch.cuda.memory_allocated()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    by_cat: dict[str, float] = {}
+    kernels_ms = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        by_cat[_category(evt.key)] = by_cat.get(_category(evt.key), 0.0) + us / 1e3
+        kernels_ms.append((us / 1e3, evt.count, evt.key[:90]))
+    kernels_ms.sort(reverse=True)
+    return {
+        "gpu_ms_by_category": {k: round(v, 2) for k, v in sorted(by_cat.items())},
+        "gpu_ms_total": round(sum(by_cat.values()), 2),
+        "top_kernels": [[round(ms, 2), n, k] for ms, n, k in kernels_ms[:25]],
+        "held_before_step_gib": before / 2**30,
+        "activations_at_end_of_forward_gib": (after_forward - before) / 2**30,
+    }
 
 
 def start_mirror(work: Path):
@@ -229,6 +303,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
+    p.add_argument("--profile", action="store_true", help="add a one-step GPU profile per setup")
     p.add_argument("--out", help="folder for train.json, train.md and train_loss.png")
     args = p.parse_args()
     if args.child:
@@ -261,7 +336,7 @@ def main() -> int:
                 str(args.seq),
                 "--device",
                 args.device,
-            ]
+            ] + (["--profile"] if args.profile else [])
             t = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)

@@ -170,3 +170,60 @@ def test_capability_ranges_follow_the_gpu_the_model_is_on(tmp_path):
     with torch.no_grad():
         model(tokens().cuda())
     assert calls_of(bound_layer(model.model.norm))["RMSNorm"] == NORMS
+
+
+def test_trainer_keeps_the_training_kernels_through_train(mirror, saved, tmp_path, monkeypatch):
+    """transformers.Trainer on the GPU, with the whole training mapping loaded via KernelConfig:
+    every layer stays bound through Trainer.train() (which calls model.train() itself), each
+    kernel runs in every step, and the loss follows a model without kernels."""
+    from transformers import KernelConfig, Trainer, TrainingArguments
+    from transformers.models.qwen3 import modeling_qwen3
+
+    kernels.replace_kernel_forward_from_hub(modeling_qwen3.Qwen3MLP, "SwiGLUMLP")
+    kernels.replace_kernel_forward_from_hub(modeling_qwen3.Qwen3ForCausalLM, "ForCausalLM")
+    repo = "kernels-lab/training"
+    config = KernelConfig(
+        kernel_mapping={
+            "RMSNorm": f"{repo}:MemoryEfficientRMSNorm",
+            "rotary_pos_emb": f"{repo}:rotary_pos_emb",
+            "SwiGLUMLP": f"{repo}:SwiGLUMLP",
+            "ForCausalLM": f"{repo}:ForCausalLM",
+        }
+    )
+    model = load(saved, use_kernels=True, kernel_config=config)
+    reference = load(saved)
+    kernel = kernels.get_kernel(repo, version=1)
+    calls: Counter = Counter()
+    for name in ("rms_norm", "apply_rotary_pos_emb", "gated_mlp"):
+        original = getattr(kernel.layers, name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernel.layers, name, counting)
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 1000, (32,))} for _ in range(16)]
+    for row in data:
+        row["labels"] = row["input_ids"].clone()
+    results = {}
+    for name, m in (("kernels", model), ("reference", reference)):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=4, per_device_train_batch_size=4,
+            report_to=[], save_strategy="no", logging_steps=1, seed=0, data_seed=0,
+            learning_rate=1e-3,
+        )  # fmt: skip
+        trainer = Trainer(model=m, args=args, train_dataset=data)
+        trainer.train()
+        results[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    report = last_report(model)
+    assert report.mode & Mode.TRAINING
+    bound = Counter(e.layer_name for e in report.bound)
+    assert bound == {"RMSNorm": NORMS, "rotary_pos_emb": 2, "SwiGLUMLP": 2, "ForCausalLM": 1}
+    # 4 steps: every norm, rotary and MLP call went through the kernels
+    assert calls["rms_norm"] == 4 * NORMS
+    assert calls["apply_rotary_pos_emb"] == 4 * 2 and calls["gated_mlp"] == 4 * 2
+    assert len(results["kernels"]) == 4
+    torch.testing.assert_close(
+        torch.tensor(results["kernels"]), torch.tensor(results["reference"]), rtol=1e-4, atol=1e-4
+    )
