@@ -121,8 +121,9 @@ def test_full_tmpfs_is_a_cache_error_and_nothing_half_written(hub, repos, tmp_pa
             _assert_nothing_half_written(cache)
     assert "CacheError" in outcomes.values()
     record(
-        f"full disk (tmpfs of {FULL_SIZES_KIB[0]}..{FULL_SIZES_KIB[-1]} KiB as the cache), then freed",
+        "full disk (the cache on a tmpfs of 8 KiB up to just past what it needs), then freed",
         len(outcomes),
+        sizes_kib=f"{FULL_SIZES_KIB[0]}..{FULL_SIZES_KIB[-1]}",
         fitted=sum(v == "fitted" for v in outcomes.values()),
         cache_error=sum(v == "CacheError" for v in outcomes.values()),
     )

@@ -220,7 +220,8 @@ def test_lockfiles(text):
 # -- server listings (tree_hook) ---------------------------------------------------------------
 
 BASE, TARGET = "fuzz-lab/base", "fuzz-lab/target"
-BLOB = payload(600, 3000)
+# Different blobs: the target's must be downloaded, not found in the template's store.
+BLOBS = {BASE: payload(600, 3000), TARGET: payload(601, 3000)}
 
 hostile_paths = st.one_of(
     st.sampled_from(
@@ -295,8 +296,10 @@ def fuzz_cache(hub, tmp_path):
     hub.trust("fuzz-lab")
     for repo, value in ((BASE, 1), (TARGET, 2)):
         w = hub.writer(repo)
-        w.commit(pure_kernel(repo.split("/")[1], value=value, lfs={"blob.bin": BLOB}, writer=w),
-                 branch="v1")  # fmt: skip
+        files = pure_kernel(
+            repo.split("/")[1], value=value, lfs={"blob.bin": BLOBS[repo]}, writer=w
+        )
+        w.commit(files, branch="v1")
     template = tmp_path / "template"
     os.environ["KERNELS_CACHE"] = str(template)  # the autouse env fixture restores it
     kernels.get_kernel(BASE, version=1)
@@ -332,7 +335,7 @@ def _load_target(hub, root) -> str:
         assert module.VALUE == 2
         [(repo, commit, variant)] = [e for e in installed_variants(root) if e[0] == TARGET]
         blob = Cache(root).installed(repo, commit, variant)[1] / "blob.bin"
-        assert not blob.is_file() or sha256(blob.read_bytes()) == sha256(BLOB)
+        assert not blob.is_file() or sha256(blob.read_bytes()) == sha256(BLOBS[TARGET])
         outcome = "loaded"
     assert cache_problems(root) == [], cache_problems(root)
     assert tmp_leftovers(root) == []
@@ -384,14 +387,24 @@ def _rewrite(data: bytes, how) -> bytes:
 @given(target=st.sampled_from(["blob.bin", "__init__.py", "metadata.json"]), how=bodies)
 def test_hostile_file_bodies(hub, fuzz_cache, target, how):
     root = fuzz_cache()
-    hub.server.file_hook = lambda repo, commit, path, data: (
-        _rewrite(data, how) if repo == TARGET and path.endswith(target) else data
-    )
+    changed = []
+
+    def hook(repo, commit, path, data):
+        if repo != TARGET or not path.endswith(target):
+            return data
+        rewritten = _rewrite(data, how)
+        changed.append(rewritten != data)
+        return rewritten
+
+    hub.server.file_hook = hook
     try:
         outcome = _load_target(hub, root)
     finally:
         hub.server.file_hook = None
         shutil.rmtree(root, ignore_errors=True)
+    assert changed  # the file was served, through the hook
+    # Changed bytes never load; bytes the rewrite left intact always do.
+    assert outcome == ("failed" if changed[0] else "loaded"), (changed, outcome)
     _SEEN[outcome] += 1
 
 
@@ -405,6 +418,7 @@ def test_hostile_retry_after(hub, fuzz_cache, value, monkeypatch_session):
     )
     try:
         assert _load_target(hub, root) == "loaded"
+        assert hub.server.faults.injected == {"429": 1}  # the header was sent, and survived
         _SEEN["loaded"] += 1
     finally:
         hub.server.faults = None
