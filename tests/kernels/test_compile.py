@@ -31,6 +31,10 @@ def _cases(kt):
     return {
         "rms_norm": (lambda x, w: kt.rms_norm(x, w, 1e-6), (x, w)),
         "gemma_rms_norm": (lambda x, w: kt.rms_norm(x, w, 1e-6, gemma=True), (x, w)),
+        "rms_norm_save_output": (
+            lambda x, w: kt.rms_norm(x, w, 1e-6, save_output=True),
+            (x, (torch.rand(40) + 0.5).requires_grad_()),
+        ),
         "layer_norm": (lambda x, w, b: kt.layer_norm(x, w, b, 1e-5), (x, w, bias)),
         "silu_mul": (kt.silu_mul, (a, b)),
         "gelu_mul": (kt.gelu_mul, (a, b)),
@@ -40,7 +44,17 @@ def _cases(kt):
 
 
 @pytest.mark.parametrize(
-    "op", ["rms_norm", "gemma_rms_norm", "layer_norm", "silu_mul", "gelu_mul", "silu", "rope"]
+    "op",
+    [
+        "rms_norm",
+        "gemma_rms_norm",
+        "rms_norm_save_output",
+        "layer_norm",
+        "silu_mul",
+        "gelu_mul",
+        "silu",
+        "rope",
+    ],
 )
 def test_fullgraph_compile_matches_eager(kt, op):
     torch._dynamo.reset()
