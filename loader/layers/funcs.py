@@ -9,6 +9,10 @@ the *owner*: the module that lists the function in its `_kernel_funcs`
 context-local stack (two forward hooks, installed only on owners that have bindings); a
 `KernelFunction` called during that forward runs the owner's kernel, and the plain function
 anywhere else. Kernelizing one model therefore never changes another model's behaviour.
+
+Under torch.compile the stack is a plain list instead (Dynamo cannot trace a ContextVar and would
+break the graph at every owner): Dynamo traces the hooks' pushes and pops as side effects, the
+kernel is chosen while tracing, and the compiled graph calls it directly.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+import torch
 from torch import nn
 
 _ACTIVE_OWNERS: ContextVar[tuple[nn.Module, ...]] = ContextVar("kernels_active_owners", default=())
+# The same stack while Dynamo traces (see the module docstring); empty outside a trace.
+_TRACED_OWNERS: list[nn.Module] = []
 _BINDINGS = "_kernels_func_bindings"  # owner.__dict__: {KernelFunction subclass: layer class}
 
 
@@ -61,11 +68,11 @@ def make_function_module(
     """A KernelFunction instance that runs `fn`, or the kernel its calling owner bound."""
 
     def forward(self: KernelFunction, *args: Any, **kwargs: Any) -> Any:
-        owners = _ACTIVE_OWNERS.get()
+        owners = _TRACED_OWNERS if torch.compiler.is_compiling() else _ACTIVE_OWNERS.get()
         if owners:
             cls = type(self)
             for owner in reversed(owners):
-                bindings = owner.__dict__.get(_BINDINGS)
+                bindings = getattr(owner, _BINDINGS, None)
                 if bindings is not None and cls in bindings:
                     return bindings[cls].forward(self, *args, **kwargs)
         return fn(*args, **kwargs)
@@ -114,10 +121,17 @@ def layer_class_from_function(fn: Callable[..., Any]) -> type[nn.Module]:
 
 
 def _enter_owner(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        _TRACED_OWNERS.append(module)
+        return
     _ACTIVE_OWNERS.set((*_ACTIVE_OWNERS.get(), module))
 
 
 def _leave_owner(module: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        if _TRACED_OWNERS and _TRACED_OWNERS[-1] is module:
+            _TRACED_OWNERS.pop()
+        return
     owners = _ACTIVE_OWNERS.get()
     for i in range(len(owners) - 1, -1, -1):
         if owners[i] is module:

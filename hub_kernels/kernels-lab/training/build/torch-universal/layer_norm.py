@@ -198,7 +198,8 @@ def _torch_backward(dy, x, weight, mean, rstd, compute_dw, compute_db):
     g = dy.float() * weight.float() if weight is not None else dy.float()
     c1 = (g * xhat).mean(-1, keepdim=True)
     c2 = g.mean(-1, keepdim=True)
-    dx = ((g - xhat * c1 - c2) * rstd.unsqueeze(-1)).to(x.dtype)
+    # Contiguous like the Triton path and the fake op: compiled graphs rely on those strides.
+    dx = ((g - xhat * c1 - c2) * rstd.unsqueeze(-1)).to(x.dtype).contiguous()
     dw = (
         (dy.float() * xhat).reshape(-1, n).sum(0).to(weight.dtype) if compute_dw else x.new_empty(0)
     )

@@ -21,7 +21,6 @@ the hidden states and ``lm_head.weight`` (``fused_linear_cross_entropy``), never
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -171,11 +170,17 @@ def keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> 
     return hidden[:, logits_to_keep, :]
 
 
-@functools.cache
+_CACHE_ARGS: dict[type, str] = {}
+
+
 def _cache_arg(model_cls: type) -> str:
     """The decoder's name for the KV cache: ``cache`` (transformers >= 5.2x) or the older one."""
-    params = inspect.signature(model_cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    # A plain dict, not functools.cache: Dynamo reads a dict without a warning.
+    name = _CACHE_ARGS.get(model_cls)
+    if name is None:
+        params = inspect.signature(model_cls.forward).parameters
+        name = _CACHE_ARGS[model_cls] = "cache" if "cache" in params else "past_key_values"
+    return name
 
 
 def _head_logits(model: nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:

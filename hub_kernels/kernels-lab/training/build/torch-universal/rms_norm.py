@@ -287,7 +287,8 @@ def _torch_forward(x, weight, eps, gemma):
         y = (xhat * (1.0 + weight.float())).to(x.dtype)
     else:
         y = weight * xhat.to(x.dtype)
-    return y, rstd
+    # Contiguous like the Triton path and the fake op: compiled graphs rely on those strides.
+    return y.contiguous(), rstd.contiguous()
 
 
 def _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None):
@@ -300,7 +301,7 @@ def _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtyp
     if compute_dw:
         xw = xhat if gemma or from_y else xhat.to(x_dtype).float()
         dw = (dy.float() * xw).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    return dx.to(x_dtype), dw
+    return dx.to(x_dtype).contiguous(), dw
 
 
 def _use_triton(x: torch.Tensor) -> bool:
