@@ -109,8 +109,10 @@ def parse_lock(text: str, path: Path | None = None) -> Lockfile:
     """Parse a lock in this package's format or the reference's 0.16 / 0.17 formats."""
     try:
         data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-        raise _bad(path, f"not valid JSON ({type(exc).__name__})") from None
+    except ValueError as exc:
+        raise _bad(path, f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise _bad(path, "not valid JSON (nested too deeply)") from None
     entries: list[LockEntry] = []
     try:
         if isinstance(data, dict):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -121,10 +120,7 @@ def main() -> int:
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-capacity-"))
     bench_train.save_model(work / "model", tiny=False)
-    server, url = bench_train.start_mirror(work)
-    env = dict(
-        os.environ, HF_ENDPOINT=url, HF_HUB_DISABLE_TELEMETRY="1", KERNELS_CACHE=str(work / "cache")
-    )
+    server, env = bench_train.start_mirror(work)
     rows = []
     try:
         for setup in args.setups.split(","):

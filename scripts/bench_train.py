@@ -232,7 +232,9 @@ def profile_step(model, opt, ids) -> dict:
     }
 
 
-def start_mirror(work: Path):
+def start_mirror(work: Path) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Serve a mirror of hub_kernels/ on loopback; returns the server and the environment for
+    setup processes (HF_ENDPOINT at the mirror, a fresh KERNELS_CACHE under `work`)."""
     from kernels.serve import build_mirror
 
     mirror = work / "mirror"
@@ -243,7 +245,10 @@ def start_mirror(work: Path):
         text=True,
     )
     url = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
-    return proc, url
+    env = dict(
+        os.environ, HF_ENDPOINT=url, HF_HUB_DISABLE_TELEMETRY="1", KERNELS_CACHE=str(work / "cache")
+    )
+    return proc, env
 
 
 def table(rows: list[dict], steps: int, warmup: int) -> str:
@@ -316,10 +321,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     model_dir = work / "model"
     save_model(model_dir, args.tiny)
-    server, url = start_mirror(work)
-    env = dict(
-        os.environ, HF_ENDPOINT=url, HF_HUB_DISABLE_TELEMETRY="1", KERNELS_CACHE=str(work / "cache")
-    )
+    server, env = start_mirror(work)
     rows = []
     try:
         for setup in args.setups.split(","):

@@ -123,17 +123,22 @@ OFFLINE_LOAD = """
 """
 
 
-def test_offline_keeps_the_recorded_decision(hub, evil, monkeypatch):
-    # Loaded once with an explicit decision: the Hub's answer (not trusted) is recorded.
-    kernels.get_kernel(EVIL, version=1, trust_remote_code=True)
-    evil.unlink()
-    out = subprocess.run(
-        python_argv(OFFLINE_LOAD),
+def _run_offline(code: str) -> subprocess.CompletedProcess:
+    """`code` in a child interpreter with HF_HUB_OFFLINE=1."""
+    return subprocess.run(
+        python_argv(code),
         capture_output=True,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         timeout=120,
     )
+
+
+def test_offline_keeps_the_recorded_decision(hub, evil, monkeypatch):
+    # Loaded once with an explicit decision: the Hub's answer (not trusted) is recorded.
+    kernels.get_kernel(EVIL, version=1, trust_remote_code=True)
+    evil.unlink()
+    out = _run_offline(OFFLINE_LOAD)
     assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr
     assert not _ran(evil)  # the cached variant is there, and still did not run
     # The Hub unreachable instead of offline: a network error, still no run.
@@ -150,13 +155,7 @@ def test_offline_keeps_a_recorded_trust(hub, tmp_path):
     _marker_kernel(hub, "good-org/marker", marker, value=4)
     kernels.get_kernel("good-org/marker", version=1)
     code = "import kernels; print(kernels.get_kernel('good-org/marker', version=1).VALUE)"
-    out = subprocess.run(
-        python_argv(code),
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=120,
-    )
+    out = _run_offline(code)
     assert out.returncode == 0 and out.stdout.strip() == "4", out.stderr
     assert marker.read_text() == "ran\nran\n"  # this process, then the offline one
 

@@ -10,9 +10,9 @@ input x; with ``save_output=True`` it keeps the output y instead and recovers xÌ
 of its own but rstd; its price is that a weight entry of exactly zero makes that column's
 gradients NaN (loudly wrong, never silently).
 
-The backward is persistent: each program walks a
-contiguous range of rows, writes dx, and keeps its share of dW in fp32 registers; a second small
-kernel sums the per-program partials, so dW is deterministic and needs no atomics.
+The backward is persistent: each program walks a contiguous range of rows, writes dx, and keeps
+its share of dW in fp32 registers; a second small kernel sums the per-program partials, so dW is
+deterministic and needs no atomics.
 """
 
 import torch
