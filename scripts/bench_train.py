@@ -193,7 +193,8 @@ def _category(name: str) -> str:
 
 def profile_step(model, opt, ids) -> dict:
     """One training step under torch.profiler: GPU time by kernel category and the top kernels;
-    and the memory held at the end of the forward (params, optimizer state, activations)."""
+    GPU idle time, attributed to the op whose launch the GPU was waiting for; and the memory
+    held at the end of the forward (params, optimizer state, activations)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -206,29 +207,87 @@ def profile_step(model, opt, ids) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        timeline = gpu_timeline(json.loads(trace.read_text()))
+    return {
+        "held_before_step_gib": before / 2**30,
+        "activations_at_end_of_forward_gib": (after_forward - before) / 2**30,
+        **timeline,
+    }
+
+
+def gpu_timeline(trace: dict, min_gap_us: float = 5.0) -> dict:
+    """From a chrome trace of one step: GPU time by kernel category and the top kernels; the
+    step's GPU span, busy and idle time; the host's span (first op to last launch); and the idle
+    gaps summed by the CPU op that launched the kernel the GPU waited for (innermost op)."""
+    events = trace.get("traceEvents", [])
+    kernels = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    if not kernels:
+        return {}
+    launches = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
+    }
+    ops_by_tid: dict = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and "dur" in e:
+            ops_by_tid.setdefault(e["tid"], []).append(e)
+
+    def launcher(kernel: dict) -> str:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return "?"
+        inner = None
+        for op in ops_by_tid.get(launch["tid"], []):
+            if op["ts"] <= launch["ts"] <= op["ts"] + op["dur"]:
+                if inner is None or op["dur"] <= inner["dur"]:
+                    inner = op
+        return inner["name"] if inner else launch["name"]
+
     by_cat: dict[str, float] = {}
-    kernels_ms = []
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None)
-        if us is None:
-            us = getattr(evt, "self_cuda_time_total", 0.0)
-        if us <= 0:
-            continue
-        by_cat[_category(evt.key)] = by_cat.get(_category(evt.key), 0.0) + us / 1e3
-        kernels_ms.append((us / 1e3, evt.count, evt.key[:90]))
-    kernels_ms.sort(reverse=True)
+    by_name: dict[str, list] = {}
+    busy, idle, end = 0.0, 0.0, kernels[0]["ts"]
+    by_op: dict[str, list] = {}
+    for k in kernels:
+        by_cat[_category(k["name"])] = by_cat.get(_category(k["name"]), 0.0) + k["dur"] / 1e3
+        slot = by_name.setdefault(k["name"][:90], [0.0, 0])
+        slot[0] += k["dur"] / 1e3
+        slot[1] += 1
+        gap = k["ts"] - end
+        if gap > min_gap_us:
+            idle += gap
+            slot = by_op.setdefault(launcher(k), [0.0, 0])
+            slot[0] += gap
+            slot[1] += 1
+        busy += max(0.0, k["ts"] + k["dur"] - max(end, k["ts"]))
+        end = max(end, k["ts"] + k["dur"])
+    # The host's span ends at its last launch (the closing synchronize is waiting, not work).
+    starts = [e["ts"] for e in events if e.get("cat") == "cpu_op"]
+    last = [e["ts"] for e in launches.values() if "aunch" in e.get("name", "")]
+    host_ms = (max(last) - min(starts)) / 1e3 if starts and last else None
+    top = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:20]
+    top_kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
     return {
         "gpu_ms_by_category": {k: round(v, 2) for k, v in sorted(by_cat.items())},
         "gpu_ms_total": round(sum(by_cat.values()), 2),
-        "top_kernels": [[round(ms, 2), n, k] for ms, n, k in kernels_ms[:25]],
-        "held_before_step_gib": before / 2**30,
-        "activations_at_end_of_forward_gib": (after_forward - before) / 2**30,
+        "top_kernels": [[round(ms, 2), n, name] for name, (ms, n) in top_kernels],
+        "gpu_span_ms": round((end - kernels[0]["ts"]) / 1e3, 2),
+        "gpu_busy_ms": round(busy / 1e3, 2),
+        "gpu_idle_ms": round(idle / 1e3, 2),
+        "host_span_ms": None if host_ms is None else round(host_ms, 2),
+        "idle_before_op": [[round(ms / 1e3, 2), n, name[:80]] for name, (ms, n) in top],
     }
 
 

@@ -158,8 +158,11 @@ def test_flce_tied_embedding(fl):
     ],
     ids=["default", "last-arriver", "spin-one-pass", "spin-two-reads", "one-program-per-row"],
 )
-def test_ce_options_every_launch_shape(ce, config):
-    """Smoothing + z-loss + softcap, reduction none with per-token upstream gradients."""
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_ce_options_every_launch_shape(ce, config, inplace):
+    """Smoothing + z-loss + softcap, reduction none with per-token upstream gradients; the
+    gradient into its own buffer, or over the logits (where a read of the target logit after
+    a sibling thread's store would corrupt the loss)."""
     n, vocab = 1024, 151936
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
     t = targets(n, vocab)
@@ -172,9 +175,10 @@ def test_ce_options_every_launch_shape(ce, config):
     per_row = 0.9 * -logp.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
     per_row = torch.where(valid, per_row + 0.1 * -logp.mean(-1) + 1e-3 * lse**2, 0.0)
     (ref_grad,) = torch.autograd.grad(per_row, x64, g_out.double())
-    grad = torch.full_like(logits, float("nan"))
+    grad = logits.clone() if inplace else torch.full_like(logits, float("nan"))
+    source = grad if inplace else logits
     cfg = None if config is None else ce.CEConfig(**config)
     opts = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0, config=cfg)
-    loss, _ = ce.ce_rows(logits, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, **opts)
+    loss, _ = ce.ce_rows(source, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, **opts)
     assert rel_err(loss, per_row) < 1e-5
     assert rel_err(grad, ref_grad) < 1e-2

@@ -190,10 +190,29 @@ def _head_logits(model: nn.Module, hidden: torch.Tensor, softcap: float | None) 
     return logits
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    from torch.nn.modules import module as module_mod
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module_mod._global_forward_hooks
+        or module_mod._global_forward_pre_hooks
+    )
+
+
 def _through_module(module: nn.Module, fn, *args):
     """Run ``fn(*args)`` as ``module``'s forward, so that its hooks run around it: FSDP2 and
     ZeRO-3 gather a sharded ``lm_head.weight`` in a pre-forward hook and reduce its gradient
-    after the backward, exactly as for ``module(*args)``."""
+    after the backward, exactly as for ``module(*args)``. A module without hooks is not
+    touched: ``fn`` runs directly."""
+    if not _has_hooks(module):
+        return fn(*args)
+    return _as_forward(module, fn, *args)
+
+
+@torch.compiler.disable  # swaps an attribute on the module: not for Dynamo to trace
+def _as_forward(module: nn.Module, fn, *args):
     own = module.__dict__.get("forward")
     module.forward = fn
     try:

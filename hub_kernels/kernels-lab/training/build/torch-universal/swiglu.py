@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, flat, op_name, use_triton
+from ._common import as_rows, fast_launch, flat, op_name, use_triton
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 
@@ -66,6 +66,7 @@ def _offsets(offs, N, stride, CONTIG: tl.constexpr):
     return o
 
 
+@fast_launch
 @triton.jit
 def _glu_fwd_kernel(
     A, B, C, numel, N, stride_a, stride_b,
@@ -79,10 +80,12 @@ def _glu_fwd_kernel(
     tl.store(C + offs, (h * b).to(C.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _glu_bwd_kernel(
-    DC, A, B, DA, DB, numel, N, stride_a, stride_b, stride_da, stride_db,
-    ACT: tl.constexpr, CONTIG: tl.constexpr, OUT_CONTIG: tl.constexpr, BLOCK: tl.constexpr,
+    DC, A, B, DA, DB, C, numel, N, stride_a, stride_b, stride_da, stride_db,
+    ACT: tl.constexpr, CONTIG: tl.constexpr, OUT_CONTIG: tl.constexpr, WRITE_C: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -94,8 +97,12 @@ def _glu_bwd_kernel(
     da = (dc * b * _act_grad(a, ACT)).to(DA.dtype.element_ty)
     tl.store(DB + _offsets(offs, N, stride_db, OUT_CONTIG), db, mask=mask)
     tl.store(DA + _offsets(offs, N, stride_da, OUT_CONTIG), da, mask=mask)
+    if WRITE_C:
+        # The forward's product again, element for element after dc was read (C may be DC).
+        tl.store(C + offs, (h * b).to(C.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -104,6 +111,7 @@ def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Y + offs, _act(x, ACT).to(Y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _act_bwd_kernel(DY, X, DX, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -139,11 +147,12 @@ def glu_forward(a, b, act, cfg=None):
     return c
 
 
-def glu_backward(dc, a, b, act, cfg=None, out=None):
+def glu_backward(dc, a, b, act, cfg=None, out=None, product=None):
     """Triton gradients (da, db) of act(a) * b, recomputing act(a).
 
     `out`: optional (da, db) to write into, each [..., N] with unit stride along N (for example
-    the two halves of one [rows, 2N] buffer).
+    the two halves of one [rows, 2N] buffer). `product`: optional contiguous tensor shaped like
+    dc (it may be dc itself) that receives the forward's act(a) * b in the same pass.
     """
     a2, b2, n, contig = _glu_rows(a, b)
     if out is None:
@@ -156,10 +165,12 @@ def glu_backward(dc, a, b, act, cfg=None, out=None):
     numel = da.numel()
     if numel:
         cfg = cfg or elementwise_config(numel)
+        dc1 = flat(dc)
         _glu_bwd_kernel[(triton.cdiv(numel, cfg["BLOCK"]),)](
-            flat(dc), a2, b2, da2, db2, numel, n, a2.stride(0), b2.stride(0),
-            da2.stride(0), db2.stride(0), ACT=act, CONTIG=contig, OUT_CONTIG=out_contig,
-            BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+            dc1, a2, b2, da2, db2, dc1 if product is None else product, numel, n,
+            a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0), ACT=act, CONTIG=contig,
+            OUT_CONTIG=out_contig, WRITE_C=product is not None, BLOCK=cfg["BLOCK"],
+            num_warps=cfg["num_warps"],
         )  # fmt: skip
     return da, db
 
@@ -190,12 +201,14 @@ def _glu_forward_any(a, b, act):
     return (_torch_act(a, act) * b).contiguous()
 
 
-def _glu_backward_any(dc, a, b, act, out=None):
+def _glu_backward_any(dc, a, b, act, out=None, product=None):
     if use_triton(a):
-        return glu_backward(dc, a, b, act, out=out)
+        return glu_backward(dc, a, b, act, out=out, product=product)
     h = _torch_act(a, act).float()
     da = (dc.float() * b.float() * _torch_act_grad(a, act)).to(a.dtype)
     db = (dc.float() * h).to(b.dtype)
+    if product is not None:
+        product.copy_(_torch_act(a, act) * b)
     if out is None:
         return da.contiguous(), db.contiguous()
     out[0].copy_(da)
