@@ -227,7 +227,9 @@ def profile_step(model, opt, ids) -> dict:
 def gpu_timeline(trace: dict, min_gap_us: float = 5.0) -> dict:
     """From a chrome trace of one step: GPU time by kernel category and the top kernels; the
     step's GPU span, busy and idle time; the host's span (first op to last launch); and the idle
-    gaps summed by the CPU op that launched the kernel the GPU waited for (innermost op)."""
+    gaps summed by the CPU op that launched the kernel the GPU waited for (innermost op).
+
+    CPU tracing slows the host, so idle and host span are larger than in an unprofiled step."""
     events = trace.get("traceEvents", [])
     kernels = sorted(
         (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
@@ -236,9 +238,10 @@ def gpu_timeline(trace: dict, min_gap_us: float = 5.0) -> dict:
     if not kernels:
         return {}
     launches = {
-        e["args"].get("correlation"): e
+        e["args"]["correlation"]: e
         for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and e.get("args", {}).get("correlation") is not None
     }
     ops_by_tid: dict = {}
     for e in events:
@@ -262,7 +265,7 @@ def gpu_timeline(trace: dict, min_gap_us: float = 5.0) -> dict:
     by_op: dict[str, list] = {}
     for k in kernels:
         by_cat[_category(k["name"])] = by_cat.get(_category(k["name"]), 0.0) + k["dur"] / 1e3
-        slot = by_name.setdefault(k["name"][:90], [0.0, 0])
+        slot = by_name.setdefault(k["name"], [0.0, 0])
         slot[0] += k["dur"] / 1e3
         slot[1] += 1
         gap = k["ts"] - end
@@ -282,7 +285,7 @@ def gpu_timeline(trace: dict, min_gap_us: float = 5.0) -> dict:
     return {
         "gpu_ms_by_category": {k: round(v, 2) for k, v in sorted(by_cat.items())},
         "gpu_ms_total": round(sum(by_cat.values()), 2),
-        "top_kernels": [[round(ms, 2), n, name] for name, (ms, n) in top_kernels],
+        "top_kernels": [[round(ms, 2), n, name[:90]] for name, (ms, n) in top_kernels],
         "gpu_span_ms": round((end - kernels[0]["ts"]) / 1e3, 2),
         "gpu_busy_ms": round(busy / 1e3, 2),
         "gpu_idle_ms": round(idle / 1e3, 2),

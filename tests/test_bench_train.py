@@ -31,7 +31,7 @@ def test_idle_gaps_go_to_the_innermost_op_that_launched_the_awaited_kernel():
         _op("MyFunctionBackward", 200, 90, tid=2),
         _launch(2, 280, tid=2, name="cuLaunchKernelEx", cat="cuda_driver"),
         _kernel(2, "_rms_norm_bwd_kernel", 300, 10),  # waited 70..300
-        _launch(3, 285, tid=2, name="cuLaunchKernelEx", cat="cuda_driver"),  # outside any op
+        _launch(3, 285, tid=2, name="cuLaunchKernelEx", cat="cuda_driver"),  # the last launch
         _kernel(3, "triton_poi_fused", 312, 8),  # 2 us gap: under the threshold
         _op("cudaDeviceSynchronize", 400, 50),
     ]

@@ -116,27 +116,6 @@ def _rope64(q, k, cos, sin):
     return q * cos + rot(q) * sin, k * cos + rot(k) * sin
 
 
-def test_fast_launch_replays_and_respecializes(kt):
-    """The launch replay (FastLaunch) gives the same result as Triton's own launch, and a call
-    whose arguments specialize differently (a view 2 bytes off alignment, an odd row count)
-    compiles its own kernel instead of replaying an aligned one."""
-    rms = sys.modules[kt.__name__ + ".rms_norm"]
-    launcher = rms._rms_norm_fwd_kernel
-    w = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16)
-    first, _ = rms.forward(x, w, 1e-6, False)
-    before = len(launcher._compiled)
-    replayed, _ = rms.forward(x, w, 1e-6, False)
-    assert len(launcher._compiled) == before and any(c for c, _ in launcher._compiled.values())
-    assert torch.equal(first, replayed)
-    flat = torch.randn(63 * 1000 + 1, device="cuda", dtype=torch.bfloat16)
-    off = flat[1:].view(63, 1000)  # data pointer 2 bytes past an aligned address
-    y, _ = rms.forward(off, w, 1e-6, False)
-    ref = rms._torch_forward(off, w, 1e-6, False)[0]
-    check(y, ref, torch.bfloat16, "unaligned rows")
-    assert len(launcher._compiled) > before
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_anchor_shape(kt, dtype):
     b, t, hq, hk, d = 8, 2048, 32, 8, 128

@@ -251,6 +251,32 @@ def test_under_torch_compile(ll, small_chunks):
     assert ours.lm_head.weight.grad is not None
 
 
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain-head", "hooked-head"])
+def test_head_hooks_run_and_plain_heads_are_not_touched(ll, small_chunks, monkeypatch, hooked):
+    """A head with forward hooks runs the fused loss as its forward (the hooks fire around it,
+    the instance attribute is restored); a head without hooks is read directly, never patched."""
+    model = tiny_model("qwen3", tied=True)
+    ours = bound(model, ll)
+    head = ours.lm_head
+    fired, patched = [], []
+    fused = ll.fused_linear_cross_entropy
+
+    def spy(hidden, weight, *args, **kwargs):
+        patched.append("forward" in head.__dict__)
+        return fused(hidden, weight, *args, **kwargs)
+
+    monkeypatch.setattr(ll, "fused_linear_cross_entropy", spy)
+    if hooked:
+        head.register_forward_pre_hook(lambda module, args: fired.append("pre"))
+        head.register_forward_hook(lambda module, args, out: fired.append("post"))
+    ids, labels = batch()
+    loss = ours(input_ids=ids, labels=labels).loss
+    assert rel_err(loss.detach(), model(input_ids=ids, labels=labels).loss.detach()) < 1e-5
+    assert patched == [hooked]
+    assert fired == (["pre", "post"] if hooked else [])
+    assert "forward" not in head.__dict__  # nothing left behind
+
+
 def test_fsdp2_sharded_lm_head(ll, small_chunks, monkeypatch):
     """fully_shard on lm_head and the model (one-rank gloo group on the CPU): the layer runs the
     loss inside lm_head's FSDP hooks, so it sees the gathered weight and FSDP reduce-scatters the

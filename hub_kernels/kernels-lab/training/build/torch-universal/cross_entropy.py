@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import fast_launch, use_triton
+from ._common import use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -88,7 +88,6 @@ def _write_grad(
         )
 
 
-@fast_launch
 @triton.jit
 def _ce_fwd_kernel(
     logits_ptr,
@@ -269,7 +268,6 @@ def _ce_fwd_kernel(
                     )
 
 
-@fast_launch
 @triton.jit
 def _scale_kernel(x_ptr, numel, row_len, g_ptr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
     """x *= g over a contiguous tensor: one g, or g[i // row_len] when PER_ROW (one per row).

@@ -14,11 +14,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, fast_launch, next_pow2, op_name, pick_config, sm_count, use_triton
+from ._common import as_rows, next_pow2, op_name, pick_config, sm_count, use_triton
 from .rms_norm import MAX_TRITON_N, bwd_candidates, column_sum, fwd_config
 
 
-@fast_launch
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, W, B, Y, MEAN, RSTD, M, N, stride_x, stride_y, eps,
@@ -60,7 +59,6 @@ def _load_rows(
     return dy, x, mean, rstd
 
 
-@fast_launch
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N,

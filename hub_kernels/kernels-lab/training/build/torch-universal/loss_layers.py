@@ -193,11 +193,16 @@ def _head_logits(model: nn.Module, hidden: torch.Tensor, softcap: float | None) 
 def _has_hooks(module: nn.Module) -> bool:
     from torch.nn.modules import module as module_mod
 
+    # Every kind of hook that nn.Module.__call__ would run around the forward.
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
         or module_mod._global_forward_hooks
         or module_mod._global_forward_pre_hooks
+        or module_mod._global_backward_hooks
+        or module_mod._global_backward_pre_hooks
     )
 
 

@@ -19,13 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, fast_launch, next_pow2, op_name, pick_config, sm_count, use_triton
+from ._common import as_rows, next_pow2, op_name, pick_config, sm_count, use_triton
 
 # Rows wider than this do not fit one program's registers; they take the torch path.
 MAX_TRITON_N = 65536
 
 
-@fast_launch
 @triton.jit
 def _rms_norm_fwd_kernel(
     X,
@@ -73,7 +72,6 @@ def _load_rows(DY, X, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK
     return dy, x, rstd
 
 
-@fast_launch
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PART, M, N, stride_dy, stride_x, stride_dx, rows_per_program,
@@ -144,7 +142,6 @@ def _rms_norm_bwd_kernel(
             tl.store(DW_PART + pid * N + cols, dw, mask=cmask)
 
 
-@fast_launch
 @triton.jit
 def _column_sum_kernel(PART, OUT, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """OUT[n] = sum_p PART[p, n], cast to OUT's dtype (second stage of a dW/dB reduction)."""

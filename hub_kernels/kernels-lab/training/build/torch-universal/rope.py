@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import fast_launch, next_pow2, op_name, pick_config, use_triton
+from ._common import next_pow2, op_name, pick_config, use_triton
 
 
 @triton.jit
@@ -34,7 +34,6 @@ def _rotate_heads(
     tl.store(po + HALF, o2.to(XO.dtype.element_ty), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, n_tokens, T,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, fast_launch, flat, op_name, use_triton
+from ._common import as_rows, flat, op_name, use_triton
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 
@@ -66,7 +66,6 @@ def _offsets(offs, N, stride, CONTIG: tl.constexpr):
     return o
 
 
-@fast_launch
 @triton.jit
 def _glu_fwd_kernel(
     A, B, C, numel, N, stride_a, stride_b,
@@ -80,7 +79,6 @@ def _glu_fwd_kernel(
     tl.store(C + offs, (h * b).to(C.dtype.element_ty), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _glu_bwd_kernel(
     DC, A, B, DA, DB, C, numel, N, stride_a, stride_b, stride_da, stride_db,
@@ -102,7 +100,6 @@ def _glu_bwd_kernel(
         tl.store(C + offs, (h * b).to(C.dtype.element_ty), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -111,7 +108,6 @@ def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Y + offs, _act(x, ACT).to(Y.dtype.element_ty), mask=mask)
 
 
-@fast_launch
 @triton.jit
 def _act_bwd_kernel(DY, X, DX, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -160,6 +156,8 @@ def glu_backward(dc, a, b, act, cfg=None, out=None, product=None):
         db = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     else:
         da, db = out
+    if product is not None and not (product.is_contiguous() and dc.is_contiguous()):
+        raise ValueError("glu_backward writes `product` at dc's flat offsets: both contiguous")
     da2, db2 = da.view(-1, n), db.view(-1, n)
     out_contig = (da2.stride(0) == n and db2.stride(0) == n) or da2.shape[0] <= 1
     numel = da.numel()
