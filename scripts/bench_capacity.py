@@ -116,7 +116,7 @@ def main() -> int:
     p.add_argument("--out", help="folder for capacity.json and capacity.md")
     args = p.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        bench_train.emit_result(child(args))
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-capacity-"))
     bench_train.save_model(work / "model", tiny=False)

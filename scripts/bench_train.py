@@ -176,6 +176,15 @@ def child(args) -> dict:
     return out
 
 
+def emit_result(result: dict, out_dir: str | None = None, filename: str = "") -> None:
+    """Print `result` as the RESULT line that parent processes parse; with `out_dir`, also save
+    it there as `filename` (JSON)."""
+    print("RESULT " + json.dumps(result), flush=True)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / filename).write_text(json.dumps(result, indent=1))
+
+
 def _category(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn")):
@@ -378,7 +387,7 @@ def main() -> int:
     p.add_argument("--out", help="folder for train.json, train.md and train_loss.png")
     args = p.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        emit_result(child(args))
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     model_dir = work / "model"

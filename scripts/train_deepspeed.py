@@ -13,7 +13,6 @@ time, per-GPU peak memory, the losses, and the modules this project bound.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import load_for_training, qwen3_config  # noqa: E402
+from bench_train import emit_result, load_for_training, qwen3_config  # noqa: E402
 
 
 def main() -> int:
@@ -97,10 +96,7 @@ def main() -> int:
             "bound_modules": bound,
             "training_after": model.training,
         }
-        print("RESULT " + json.dumps(out), flush=True)
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"deepspeed-{args.setup}.json").write_text(json.dumps(out, indent=1))
+        emit_result(out, args.out, f"deepspeed-{args.setup}.json")
     dist.destroy_process_group()
     return 0
 

@@ -15,7 +15,6 @@ kernels: KernelConfig on GPUs, kernels.apply_kernels on the CPU where KernelConf
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import KERNEL_MAPPING, mark_fused_layers, qwen3_config  # noqa: E402
+from bench_train import KERNEL_MAPPING, emit_result, mark_fused_layers, qwen3_config  # noqa: E402
 
 
 def main() -> int:
@@ -135,10 +134,7 @@ def main() -> int:
             "losses": losses,
             "bound_modules": bound,
         }
-        print("RESULT " + json.dumps(out), flush=True)
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"fsdp-{args.setup}.json").write_text(json.dumps(out, indent=1))
+        emit_result(out, args.out, f"fsdp-{args.setup}.json")
     dist.destroy_process_group()
     return 0
 

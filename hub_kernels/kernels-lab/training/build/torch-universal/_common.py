@@ -8,6 +8,7 @@ import re
 import warnings
 
 import torch
+from torch.nn.modules import module as _module
 
 # The loader imports this folder under a content-derived package name; deriving the torch.library
 # namespace from it keeps two builds loaded side by side from registering the same op twice.
@@ -17,6 +18,21 @@ NAMESPACE = re.sub(r"\W", "_", __name__.split(".")[0]).strip("_") or "kernels_tr
 def op_name(name: str) -> str:
     """Fully qualified torch.library name of this build's op `name`."""
     return f"{NAMESPACE}::{name}"
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling `module` would run any hook around its forward (its own or global ones):
+    then a fused path that skips the call must not be taken."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks
+    )
 
 
 def interpreting() -> bool:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import has_hooks
 from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 
@@ -190,28 +191,12 @@ def _head_logits(model: nn.Module, hidden: torch.Tensor, softcap: float | None) 
     return logits
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    from torch.nn.modules import module as module_mod
-
-    # Every kind of hook that nn.Module.__call__ would run around the forward.
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or module_mod._global_forward_hooks
-        or module_mod._global_forward_pre_hooks
-        or module_mod._global_backward_hooks
-        or module_mod._global_backward_pre_hooks
-    )
-
-
 def _through_module(module: nn.Module, fn, *args):
     """Run ``fn(*args)`` as ``module``'s forward, so that its hooks run around it: FSDP2 and
     ZeRO-3 gather a sharded ``lm_head.weight`` in a pre-forward hook and reduce its gradient
     after the backward, exactly as for ``module(*args)``. A module without hooks is not
     touched: ``fn`` runs directly."""
-    if not _has_hooks(module):
+    if not has_hooks(module):
         return fn(*args)
     return _as_forward(module, fn, *args)
 

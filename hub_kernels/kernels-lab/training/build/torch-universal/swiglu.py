@@ -202,11 +202,11 @@ def _glu_forward_any(a, b, act):
 def _glu_backward_any(dc, a, b, act, out=None, product=None):
     if use_triton(a):
         return glu_backward(dc, a, b, act, out=out, product=product)
-    h = _torch_act(a, act).float()
+    act_a = _torch_act(a, act)
     da = (dc.float() * b.float() * _torch_act_grad(a, act)).to(a.dtype)
-    db = (dc.float() * h).to(b.dtype)
+    db = (dc.float() * act_a.float()).to(b.dtype)
     if product is not None:
-        product.copy_(_torch_act(a, act) * b)
+        product.copy_(act_a * b)
     if out is None:
         return da.contiguous(), db.contiguous()
     out[0].copy_(da)
