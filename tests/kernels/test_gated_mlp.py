@@ -86,6 +86,22 @@ def test_falls_back_where_it_does_not_apply(kt):
     )
 
 
+def test_backward_and_global_hooks_keep_the_linears_own_calls(kt):
+    """A full backward hook on one Linear, or a global forward hook, is run by calling the
+    module: the fused path, which skips those calls, must not be taken."""
+    x = torch.randn(4, 32)
+    back = mlp(32, 64, torch.float32)
+    back.down_proj.register_full_backward_hook(lambda *a: None)
+    assert kt.gated_mlp.gated_mlp(x, back.gate_proj, back.up_proj, back.down_proj, 0) is None
+    plain = mlp(32, 64, torch.float32)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert kt.gated_mlp.gated_mlp(x, plain.gate_proj, plain.up_proj, plain.down_proj, 0) is None
+    finally:
+        handle.remove()
+    assert kt.gated_mlp.gated_mlp(x, plain.gate_proj, plain.up_proj, plain.down_proj, 0) is not None
+
+
 def test_swiglu_layer_matches_qwen3_mlp_and_uses_the_lean_path(kt):
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP

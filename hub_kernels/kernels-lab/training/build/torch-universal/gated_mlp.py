@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import has_hooks
 from .swiglu import GELU_ERF, GELU_TANH, SILU, _glu_backward_any, _glu_forward_any
 
 __all__ = ["GELU_ERF", "GELU_TANH", "SILU", "GatedMLPFunction", "gated_mlp"]
@@ -73,7 +74,7 @@ def gated_mlp(x, gate_proj, up_proj, down_proj, act: int) -> torch.Tensor | None
         torch.compiler.is_compiling()
         or torch.is_autocast_enabled(x.device.type)
         or any(type(m) is not torch.nn.Linear or m.bias is not None for m in linears)
-        or any(m._forward_hooks or m._forward_pre_hooks for m in linears)
+        or any(has_hooks(m) for m in linears)
         or any(m.weight.dtype != x.dtype for m in linears)
     ):
         return None
