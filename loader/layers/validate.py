@@ -8,7 +8,6 @@ the same arguments as the forward it replaces.
 from __future__ import annotations
 
 import inspect
-from functools import cache
 from typing import TYPE_CHECKING
 
 from ..errors import LayerError
@@ -30,8 +29,10 @@ def can_torch_compile(layer: type) -> bool:
     return bool(getattr(layer, "can_torch_compile", False))
 
 
-@cache
 def _module_members() -> frozenset[str]:
+    # Read on every check, not cached: libraries add methods to nn.Module after import
+    # (transformers sets nn.Module.smart_apply when it first initialises a model's weights), and
+    # every layer inherits those.
     from torch import nn
 
     return frozenset(dir(nn.Module))

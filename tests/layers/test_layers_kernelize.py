@@ -181,6 +181,17 @@ def test_unfit_layers_raise_layer_error_or_fall_back_with_all(layer, message, re
     assert sum("keeps its original forward" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_methods_added_to_nn_module_later_do_not_make_layers_unfit(repo_path, monkeypatch):
+    """transformers adds nn.Module.smart_apply when it first initialises a model; layers checked
+    before and after that are equally fit."""
+    register_kernel_mapping({"RMSNorm": {"cpu": norm_repo(repo_path)}})
+    kernelize(tiny_qwen3(), mode=Mode.INFERENCE)
+    monkeypatch.setattr(nn.Module, "added_later_by_a_library", lambda self: None, raising=False)
+    model = tiny_qwen3()
+    kernelize(model, mode=Mode.INFERENCE)
+    assert all(bound_layer(m) is not None for m in norms(model))
+
+
 def test_no_compatible_variant_is_typed_and_can_fall_back(tmp_path):
     # An Ascend (NPU) build fits neither a CPU-only machine nor a CUDA one.
     path = write_repo(
