@@ -116,13 +116,16 @@ def _rope64(q, k, cos, sin):
     return q * cos + rot(q) * sin, k * cos + rot(k) * sin
 
 
+@pytest.mark.parametrize("halves", ["repeated", "distinct"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rope_anchor_shape(kt, dtype):
+def test_rope_anchor_shape(kt, dtype, halves):
+    """transformers' cos/sin (halves repeated: the second halves are skipped) and any other."""
     b, t, hq, hk, d = 8, 2048, 32, 8, 128
     q = torch.randn(b, t, hq, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
     k = torch.randn(b, t, hk, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
     angles = torch.rand(b, t, d // 2, device="cuda") * 100
-    emb = torch.cat((angles, angles), dim=-1)
+    other = angles if halves == "repeated" else torch.rand_like(angles) * 100
+    emb = torch.cat((angles, other), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
     gq, gk = torch.randn_like(qo), torch.randn_like(ko)
@@ -132,6 +135,9 @@ def test_rope_anchor_shape(kt, dtype):
     dq64, dk64 = torch.autograd.grad((qr, kr), (q64, k64), (gq.double(), gk.double()))
     for name, out, ref in (("q", qo, qr), ("k", ko, kr), ("dq", dq, dq64), ("dk", dk, dk64)):
         check(out, ref, dtype, name)
+    # The check's answer reached the host without a wait; later calls skip the flag load.
+    torch.cuda.synchronize()
+    assert sys.modules[kt.__name__ + ".rope"].halves_repeat(cos, sin) is (halves == "repeated")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -234,3 +240,27 @@ def test_convergence_matches_eager(kt, kind, monkeypatch):
     assert ref_losses[-1] < ref_losses[0] - 1.0  # the run learns something
     for step, (r, o) in enumerate(zip(ref_losses, our_losses, strict=True)):
         assert abs(o - r) <= 1e-2 + 5e-2 * abs(r), f"step {step}: eager {r:.4f} vs ours {o:.4f}"
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_pick_config_times_the_usable_candidates_and_keeps_the_fastest(kt, cold):
+    common = sys.modules[kt.__name__ + "._common"]
+    x = torch.zeros(1 << 20, device="cuda")
+    calls = []
+
+    def launch(cfg):
+        calls.append(cfg["n"])
+        if cfg["n"] == 2:
+            raise RuntimeError("this Triton rejects the config")
+        torch.cuda._sleep(100_000 * cfg["n"])  # one launch whose GPU time grows with n
+
+    key = ("pick_config test", cold, zlib.crc32(os.urandom(8)))
+    with pytest.warns(UserWarning, match="skipped"):
+        cfg = common.pick_config(
+            key, [{"n": 3}, {"n": 1}, {"n": 2}], launch, x.device if cold else None
+        )
+    assert cfg == {"n": 1}
+    rounds = common.TUNING_ROUNDS
+    assert calls.count(3) == 1 + rounds and calls.count(1) == 1 + rounds and calls.count(2) == 1
+    assert common.pick_config(key, [{"n": 3}, {"n": 1}], launch) == {"n": 1}  # kept, not retimed
+    assert len(calls) == 3 + 2 * rounds

@@ -91,7 +91,8 @@ def test_layer_matches_transformers_function(kt, dtype):
     q, k, cos, sin = make_inputs(2, 9, 4, 2, 64, "B", dtype, "transposed")
     qo, ko = holder(q, k, cos, sin)
     qr, kr = hf(q, k, cos, sin)
-    # Eager rounds q*cos and rotate_half(q)*sin separately; we round once: two roundings apart.
+    # Eager rounds q*cos, rotate_half(q)*sin and their sum; we round once or twice: a few
+    # roundings apart.
     eps = torch.finfo(dtype).eps
     for out, ref in ((qo, qr), (ko, kr)):
         torch.testing.assert_close(out, ref, rtol=2 * eps, atol=2 * eps * ref.abs().max().item())
@@ -111,3 +112,82 @@ def test_every_launch_candidate(kt):
                 continue
             assert_close(qo, qr, torch.float32, f"q {cfg}")
             assert_close(ko, kr, torch.float32, f"k {cfg}")
+
+
+@pytest.fixture
+def rope_mod(kt, monkeypatch):
+    """rope.py with the halves check on at any size (by default small calls skip it)."""
+    mod = sys.modules[kt.__name__ + ".rope"]
+    monkeypatch.setattr(mod, "MIN_CHECKED_ELEMENTS", 0)
+    return mod
+
+
+def fresh(t):
+    return t.detach().clone().requires_grad_()
+
+
+def test_checked_halves_are_cached_and_rechecked_after_a_write(kt, rope_mod):
+    """The second halves are skipped only while cos/sin still repeat: a write is seen."""
+    q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+    check(q, k, cos, sin, qo, ko, 1, torch.float32)
+    kept = rope_mod._CHECKS[(id(cos), id(sin))]
+    assert rope_mod.halves_repeat(cos, sin) is True and rope_mod._CHECKS[(id(cos), id(sin))] is kept
+    for t in (sin, cos):  # halves of one of them no longer equal, written in place
+        t[1, 3, 8:] = torch.randn(8)
+        q2, k2 = fresh(q), fresh(k)
+        qo, ko = kt.apply_rotary_pos_emb(q2, k2, cos, sin)
+        assert rope_mod.halves_repeat(cos, sin) is False
+        check(q2, k2, cos, sin, qo, ko, 1, torch.float32)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_every_halves_answer_rotates_right(rope_mod, backward):
+    """Known on the host (True/False), still on the device (a flag), or not checked (None)."""
+    q, k, cos, sin = make_inputs(2, 5, 4, 2, 24, "B", torch.float32, "transposed")
+    distinct = cos.clone(), sin.clone()
+    distinct[0][..., 12:] += 0.5
+    distinct[1][..., 12:] -= 0.5
+    flag = torch.ones(1, dtype=torch.int32)
+    cases = [((cos, sin), a) for a in (True, False, None, flag, 1 - flag)]
+    cases += [(distinct, a) for a in (False, None, 1 - flag)]
+    for (c, s), answer in cases:
+        q64, k64 = leaf64(q.requires_grad_()), leaf64(k.requires_grad_())
+        qr, kr = rope64(q64, k64, c.double(), s.double())
+        if backward:  # the gradient of the rotation, for upstream gradients q and k
+            qr, kr = torch.autograd.grad((qr, kr), (q64, k64), (q.double(), k.double()))
+        qo, ko = rope_mod.rotate(q.detach(), k.detach(), c, s, 1, backward, repeats=answer)
+        assert_close(qo, qr, torch.float32, f"q, answer {answer}")
+        assert_close(ko, kr, torch.float32, f"k, answer {answer}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_halves_check_compares_bits(rope_mod, dtype):
+    """Every row of both tensors is compared, bit for bit (-0.0 is not 0.0; the same NaN is)."""
+    a = torch.randn(3, 70, 40, dtype=dtype)  # 210 rows: several programs; a half of 40
+    cos, sin = torch.cat((a, a), -1), torch.cat((a.flip(0), a.flip(0)), -1)
+    assert rope_mod._check_halves(cos, sin).item() == 1
+    cos[0, 0, 3] = cos[0, 0, 43] = float("nan")
+    assert rope_mod._check_halves(cos, sin).item() == 1
+    for t, row, value in ((cos, (2, 69), 0.5), (sin, (1, 35), 0.25)):
+        changed = t.clone()
+        changed[row][79] = value
+        pair = (changed, sin) if t is cos else (cos, changed)
+        assert rope_mod._check_halves(*pair).item() == 0
+    zeros = torch.zeros(1, 4, 8, dtype=dtype)
+    zeros[0, 2, 5] = -0.0
+    assert rope_mod._check_halves(zeros, torch.zeros_like(zeros)).item() == 0
+
+
+def test_checks_are_dropped_with_their_tensors_and_skipped_where_unsafe(kt, rope_mod):
+    q, k, cos, sin = make_inputs(1, 5, 2, 2, 16, "1", torch.float32, "transposed")
+    kt.apply_rotary_pos_emb(q, k, cos, sin)
+    key = (id(cos), id(sin))
+    assert key in rope_mod._CHECKS
+    del cos, sin
+    assert key not in rope_mod._CHECKS
+    with torch.inference_mode():  # no version counter to notice a later write
+        cos, sin = make_inputs(1, 5, 2, 2, 16, "1", torch.float32, "transposed")[2:]
+        assert rope_mod.halves_repeat(cos, sin) is None
+    rope_mod.MIN_CHECKED_ELEMENTS = cos.numel() + 1
+    assert rope_mod.halves_repeat(cos.clone(), sin.clone()) is None

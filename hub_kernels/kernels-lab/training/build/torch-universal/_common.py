@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import statistics
 import warnings
 
 import torch
@@ -75,14 +76,19 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 
 
 _CHOICES: dict[tuple, dict] = {}
+TUNING_ROUNDS = 5
 
 
-def pick_config(key: tuple, candidates: list[dict], launch) -> dict:
+def pick_config(
+    key: tuple, candidates: list[dict], launch, cold: torch.device | None = None
+) -> dict:
     """The fastest of `candidates` for `key`, timed once per process on the GPU.
 
     `launch(cfg)` runs the kernel once with that config (it may write the real outputs; the
-    caller launches again with the winner). The first candidate is used without timing on the
-    CPU interpreter and while a CUDA graph is being captured.
+    caller launches again with the winner). With `cold`, each timed launch follows a flush of
+    that device's L2, so inputs small enough to stay cached between back-to-back launches do not
+    favour the geometry that is best only on cached data. The first candidate is used without
+    timing on the CPU interpreter and while a CUDA graph is being captured.
     """
     if len(candidates) == 1 or interpreting() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
@@ -102,17 +108,28 @@ def pick_config(key: tuple, candidates: list[dict], launch) -> dict:
                 continue
             usable.append(cfg)
         candidates = usable
-        events = []
-        for cfg in candidates:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(2_000_000)  # keeps the GPU busy while the launches are queued
-            start.record()
-            for _ in range(3):
+        flush = None
+        if cold is not None:
+            l2 = torch.cuda.get_device_properties(cold).L2_cache_size
+            flush = torch.empty(2 * l2, dtype=torch.int8, device=cold)
+        # Candidates take turns, one launch each per round, and the median round counts: a
+        # drift of the GPU's speed or one slow launch does not decide the choice.
+        events: list[list] = [[] for _ in candidates]
+        for _ in range(TUNING_ROUNDS):
+            torch.cuda._sleep(2_000_000)  # keeps the GPU busy while the round is queued
+            for cfg, spans in zip(candidates, events, strict=True):
+                if flush is not None:
+                    flush.zero_()
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
                 launch(cfg)
-            end.record()
-            events.append((start, end))
+                end.record()
+                spans.append((start, end))
         torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in events]
+        times = [statistics.median(s.elapsed_time(e) for s, e in spans) for spans in events]
         choice = candidates[times.index(min(times))]
         _CHOICES[key] = choice
     return choice

@@ -4,79 +4,217 @@ Same contract as transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_
 q [B, Hq, T, D] and k [B, Hk, T, D] (any strides, typically transposed views of [B, T, H, D]),
 cos/sin [B or 1, T, D]; with ``unsqueeze_dim=2`` q and k are [B, T, H, D]. Outputs are new
 tensors laid out like q and k. One program rotates every q and k head of a few tokens, so cos and
-sin are read once per token; the full D of cos and sin is read, so no ``cat(freqs, freqs)``
-layout is assumed. The backward is the same rotation with the sine negated and its halves
-swapped; only cos and sin are kept for it. cos and sin get no gradient (HF never trains them).
+sin are read once per token. Any cos/sin works: a one-launch check, kept per cos/sin pair, finds
+whether every row repeats its first half (transformers' ``cat(freqs, freqs)``); then the kernel
+skips reading the second halves. Its answer is copied to the host without waiting; until it lands
+the kernel reads it from the device (on the check's stream; on another, both halves are read). The rotation is computed in the inputs' dtype, as
+transformers' eager code does (two roundings in 16-bit floats where eager has three). The backward
+is the same rotation with the sine negated and its halves swapped; only cos and sin are kept for
+it. cos and sin get no gradient (HF never trains them).
 """
+
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, op_name, pick_config, use_triton
+from ._common import as_rows, interpreting, next_pow2, op_name, pick_config, use_triton
 
 
 @triton.jit
-def _rotate_heads(
-    X, XO, sx_h, sxo_h, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-    d, dmask, tok, n_tokens, c1, c2, s1, s2,
-):  # fmt: skip
+def _head_mask(H: tl.constexpr, BLOCK_H: tl.constexpr, dmask, tok, n_tokens, EVEN_T: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
+    if EVEN_T:
+        return (h < H)[:, None] & dmask[None, :]
     # The token test is broadcast to a vector: the interpreter rejects scalar-and-vector masks.
-    mask = ((h < H) & (h * 0 + tok < n_tokens))[:, None] & dmask[None, :]
-    p = X + h[:, None] * sx_h + d[None, :]
-    x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
+    return ((h < H) & (h * 0 + tok < n_tokens))[:, None] & dmask[None, :]
+
+
+@triton.jit
+def _store_rotated(P, x1, x2, c1, c2, s1, s2, mask, HALF: tl.constexpr):
+    """Writes [x1*c1 - x2*s1, x2*c2 + x1*s2] at P (first halves) and P + HALF."""
     o1 = x1 * c1[None, :] - x2 * s1[None, :]
     o2 = x2 * c2[None, :] + x1 * s2[None, :]
-    po = XO + h[:, None] * sxo_h + d[None, :]
-    tl.store(po, o1.to(XO.dtype.element_ty), mask=mask)
-    tl.store(po + HALF, o2.to(XO.dtype.element_ty), mask=mask)
+    tl.store(P, o1.to(P.dtype.element_ty), mask=mask)
+    tl.store(P + HALF, o2.to(P.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
-    Q, K, QO, KO, COS, SIN, n_tokens, T,
+    Q, K, QO, KO, COS, SIN, REPEATS, n_tokens, T,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
     sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
     sc_b, sc_t, ss_b, ss_t,
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BACKWARD: tl.constexpr, EVEN_T: tl.constexpr,
+    REPEATED: tl.constexpr, FLAGGED: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HALF
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    hk = tl.arange(0, BLOCK_HK)[:, None]
     for i in tl.static_range(BLOCK_T):
         tok = pid * BLOCK_T + i
         b = (tok // T).to(tl.int64)
         t = (tok % T).to(tl.int64)
-        cm = dmask & (d * 0 + tok < n_tokens)
+        qm = _head_mask(HQ, BLOCK_HQ, dmask, tok, n_tokens, EVEN_T)
+        km = _head_mask(HK, BLOCK_HK, dmask, tok, n_tokens, EVEN_T)
+        # q and k first: their loads must not queue behind the flag the cos halves wait on.
+        pq = Q + b * sq_b + t * sq_t + hq * sq_h + d[None, :]
+        pk = K + b * sk_b + t * sk_t + hk * sk_h + d[None, :]
+        q1 = tl.load(pq, mask=qm, other=0.0)
+        q2 = tl.load(pq + HALF, mask=qm, other=0.0)
+        k1 = tl.load(pk, mask=km, other=0.0)
+        k2 = tl.load(pk + HALF, mask=km, other=0.0)
+        if EVEN_T:
+            cm = dmask
+        else:
+            cm = dmask & (d * 0 + tok < n_tokens)
         pc = COS + b * sc_b + t * sc_t + d
         ps = SIN + b * ss_b + t * ss_t + d
-        c1 = tl.load(pc, mask=cm, other=0.0).to(tl.float32)
-        c2 = tl.load(pc + HALF, mask=cm, other=0.0).to(tl.float32)
-        s1 = tl.load(ps, mask=cm, other=0.0).to(tl.float32)
-        s2 = tl.load(ps + HALF, mask=cm, other=0.0).to(tl.float32)
+        c1 = tl.load(pc, mask=cm, other=0.0)
+        s1 = tl.load(ps, mask=cm, other=0.0)
+        if REPEATED:  # every row of cos and of sin repeats its first half
+            c2 = c1
+            s2 = s1
+        elif FLAGGED:  # the same answer, still on the device: REPEATS holds 1 or 0
+            repeats = d * 0 + tl.load(REPEATS) != 0
+            c2 = tl.where(repeats, c1, tl.load(pc + HALF, mask=cm & ~repeats, other=0.0))
+            s2 = tl.where(repeats, s1, tl.load(ps + HALF, mask=cm & ~repeats, other=0.0))
+        else:
+            c2 = tl.load(pc + HALF, mask=cm, other=0.0)
+            s2 = tl.load(ps + HALF, mask=cm, other=0.0)
+        # No upcast: in 16-bit floats the products run as packed pairs, half the instructions
+        # per element, and this kernel is short enough on bandwidth for that to show. The
+        # interpreter keeps bfloat16 as raw integers, so there (only) bfloat16 is upcast.
+        if UPCAST:
+            q1, q2, k1, k2 = (
+                q1.to(tl.float32),
+                q2.to(tl.float32),
+                k1.to(tl.float32),
+                k2.to(tl.float32),
+            )
+            c1, c2, s1, s2 = (
+                c1.to(tl.float32),
+                c2.to(tl.float32),
+                s1.to(tl.float32),
+                s2.to(tl.float32),
+            )
         if BACKWARD:
             # The transpose of [[c1, -s1], [s2, c2]] is [[c1, s2], [-s1, c2]].
             s1, s2 = -s2, -s1
-        _rotate_heads(
-            Q + b * sq_b + t * sq_t, QO + b * sqo_b + t * sqo_t, sq_h, sqo_h, HQ, BLOCK_HQ, HALF,
-            d, dmask, tok, n_tokens, c1, c2, s1, s2,
-        )  # fmt: skip
-        _rotate_heads(
-            K + b * sk_b + t * sk_t, KO + b * sko_b + t * sko_t, sk_h, sko_h, HK, BLOCK_HK, HALF,
-            d, dmask, tok, n_tokens, c1, c2, s1, s2,
-        )  # fmt: skip
+        pqo = QO + b * sqo_b + t * sqo_t + hq * sqo_h + d[None, :]
+        pko = KO + b * sko_b + t * sko_t + hk * sko_h + d[None, :]
+        _store_rotated(pqo, q1, q2, c1, c2, s1, s2, qm, HALF)
+        _store_rotated(pko, k1, k2, c1, c2, s1, s2, km, HALF)
+
+
+@triton.jit
+def _halves_differ_kernel(
+    C, S, FLAG, n_rows, sc_r, ss_r,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Clears FLAG if a row of C or S (bit patterns) differs between its two halves."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    m = (r < n_rows)[:, None] & (d < HALF)[None, :]
+    pc = C + r[:, None].to(tl.int64) * sc_r + d[None, :]
+    ps = S + r[:, None].to(tl.int64) * ss_r + d[None, :]
+    differ = (tl.load(pc, mask=m) != tl.load(pc + HALF, mask=m)) | (
+        tl.load(ps, mask=m) != tl.load(ps + HALF, mask=m)
+    )
+    if tl.max(tl.max(differ.to(tl.int32), 1), 0) > 0:
+        tl.store(FLAG, 0)
 
 
 def rope_candidates(hq: int, hk: int, d: int) -> list[dict]:
     """Tokens per program and warps worth timing (the first is the default)."""
     per_token = (next_pow2(hq) + next_pow2(hk)) * next_pow2(d)
     block_t = max(1, min(4, 4096 // per_token))
-    pairs = [(1, 4), (1, 8), (2, 8), (2, 4), (2, 2), (4, 4), (4, 2)]
+    # One token per program timed best under a flushed L2 at the benchmark shapes (1 warp at
+    # 2048 tokens, 8 at 16384); more tokens per program pay off only for tiny heads.
+    pairs = [(1, 4), (1, 8), (1, 2), (1, 1), (2, 4), (2, 8)]
     return [{"BLOCK_T": t * block_t, "num_warps": w} for t, w in pairs]
+
+
+# Below this many cos elements per call the check costs more launches than the reads it saves.
+MIN_CHECKED_ELEMENTS = 1 << 16
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _check_halves(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Device int32 [1]: 1 when every row of cos and of sin repeats its first half, bit for bit."""
+    d = cos.shape[-1]
+    c = as_rows(cos, d).view(_BITS[cos.element_size()])
+    s = as_rows(sin, d).view(_BITS[sin.element_size()])
+    flag = torch.ones(1, dtype=torch.int32, device=cos.device)
+    rows = 32
+    _halves_differ_kernel[(triton.cdiv(c.shape[0], rows),)](
+        c, s, flag, c.shape[0], c.stride(0), s.stride(0),
+        HALF=d // 2, BLOCK_D=next_pow2(d // 2), ROWS=rows,
+    )  # fmt: skip
+    return flag
+
+
+class _HalvesCheck:
+    """One cos/sin pair's check: the device flag, copied to the host without waiting for it."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, key: tuple[int, int]) -> None:
+        def forget(_ref, key=key):
+            _CHECKS.pop(key, None)
+
+        self.refs = (weakref.ref(cos, forget), weakref.ref(sin, forget))
+        self.versions = (cos._version, sin._version)
+        self.flag = _check_halves(cos, sin)
+        self.value: bool | None = None
+        self.landed = self.stream = None
+        if self.flag.is_cuda:
+            self.stream = torch.cuda.current_stream(self.flag.device)
+            self.host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self.host.copy_(self.flag, non_blocking=True)
+            self.landed = torch.cuda.Event()
+            self.landed.record(self.stream)
+        else:
+            self.host = self.flag
+
+    def holds_for(self, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        refs = self.refs
+        return (
+            refs[0]() is cos and refs[1]() is sin and self.versions == (cos._version, sin._version)
+        )
+
+    def answer(self) -> bool | torch.Tensor | None:
+        if self.value is None and (self.landed is None or self.landed.query()):
+            self.value = bool(self.host.item())
+        if self.value is not None:
+            return self.value
+        # Still on the device: only a kernel queued behind the check may read the flag.
+        return self.flag if torch.cuda.current_stream(self.flag.device) == self.stream else None
+
+
+# (id(cos), id(sin)) -> the check of that pair while both tensors live
+_CHECKS: dict[tuple[int, int], _HalvesCheck] = {}
+
+
+def halves_repeat(cos: torch.Tensor, sin: torch.Tensor) -> bool | torch.Tensor | None:
+    """Whether every row of cos and of sin repeats its first half, checked once per pair and version.
+
+    True or False once the answer is on the host; while its copy is in flight, the device flag
+    (the kernel reads it); None, read both halves, where a kept answer could go stale unseen:
+    inference tensors have no version counter, and a CUDA graph replays without asking again.
+    """
+    if cos.numel() < MIN_CHECKED_ELEMENTS or cos.is_inference() or sin.is_inference():
+        return None
+    if cos.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    key = (id(cos), id(sin))
+    check = _CHECKS.get(key)
+    if check is None or not check.holds_for(cos, sin):
+        check = _CHECKS[key] = _HalvesCheck(cos, sin, key)
+    return check.answer()
 
 
 def _to_bhtd(x: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
@@ -104,36 +242,49 @@ def triton_supported(q, k, cos, sin, unsqueeze_dim: int) -> bool:
     )
 
 
-def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None):
-    """Triton rotation of q and k (the inverse rotation when `backward`)."""
+_ASK = object()
+
+
+def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
+    """Triton rotation of q and k (the inverse rotation when `backward`).
+
+    `repeats`: what halves_repeat answers (asked by default): True, False, None or a device flag.
+    """
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
     qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
     b, hq, t, d = qv.shape
     hk = kv.shape[1]
-    cos = _unit_last(cos).expand(b, t, d)
-    sin = _unit_last(sin).expand(b, t, d)
     if qov.stride(-1) != 1 or kov.stride(-1) != 1:
         raise ValueError("rotary_pos_emb needs q and k with a unit stride along head_dim")
     n_tokens = b * t
     if n_tokens == 0 or hq + hk == 0:
         return qo, ko
     half = d // 2
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    if repeats is _ASK:
+        repeats = halves_repeat(cos, sin)
+    flagged = isinstance(repeats, torch.Tensor)
+    cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
+
+    dtypes = (q.dtype, k.dtype, cos.dtype, sin.dtype)
 
     def launch(c):
         _rope_kernel[(triton.cdiv(n_tokens, c["BLOCK_T"]),)](
-            qv, kv, qov, kov, cos, sin, n_tokens, t,
+            qv, kv, qov, kov, cos, sin, repeats if flagged else cos, n_tokens, t,
             qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
             qov.stride(0), qov.stride(1), qov.stride(2), kov.stride(0), kov.stride(1), kov.stride(2),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             HQ=hq, HK=hk, HALF=half,
             BLOCK_HQ=next_pow2(max(hq, 1)), BLOCK_HK=next_pow2(max(hk, 1)), BLOCK_D=next_pow2(half),
-            BLOCK_T=c["BLOCK_T"], BACKWARD=backward, num_warps=c["num_warps"],
+            BLOCK_T=c["BLOCK_T"], BACKWARD=backward, EVEN_T=n_tokens % c["BLOCK_T"] == 0,
+            REPEATED=repeats is True, FLAGGED=flagged, UPCAST=interpreting() and torch.bfloat16 in dtypes,
+            num_warps=c["num_warps"],
         )  # fmt: skip
 
     if cfg is None:
         key = ("rope", n_tokens.bit_length(), hq, hk, d, q.dtype, cos.dtype, q.device)
-        cfg = pick_config(key, rope_candidates(hq, hk, d), launch)
+        cfg = pick_config(key, rope_candidates(hq, hk, d), launch, cold=q.device)
     launch(cfg)
     return qo, ko
 
