@@ -8,7 +8,9 @@ inputs and outputs hold, and reports GB/s or TFLOP/s against the ceilings measur
 Two timings per closure, both medians with the L2 flushed before each call:
 - device time (`fwd_ms`, `fwd_bwd_ms`): a sleep kernel queued ahead of each call lets the host
   issue all of the call's work before the GPU reaches it, so host overhead (Python, autograd,
-  dispatch) is hidden, as it is in a training step whose host runs ahead of the GPU;
+  dispatch) is hidden, as it is in a training step whose host runs ahead of the GPU. The
+  implementations take turns over a few rounds (30 calls each) and the median round counts, so
+  a drift of the GPU's speed during a case does not favour whichever ran first;
 - wall time (`fwd_bwd_wall_ms`): `triton.testing.do_bench` as is, where a call whose host work
   outlasts its GPU work is host-bound; small shapes show it.
 """
@@ -163,30 +165,46 @@ def _extra_peak_mib(fwd_bwd: Callable[[], object]) -> float:
     return (peak - max(base, after)) / 2**20
 
 
-def run_case(case: Case, ceil: Ceilings) -> list[dict]:
-    rows = []
+def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
+    """Every implementation of `case`, device times as medians over `rounds` in which the
+    implementations take turns, so a drift of the GPU during the case favours none of them."""
+    rows, live = [], []
     for impl in case.impls:
         row: dict = {"op": case.op, "shape": case.shape, "impl": impl.name}
         try:
             fwd, fwd_bwd = impl.make()
             fwd_bwd()  # compile / autotune first
-            row["fwd_ms"] = _device_ms(fwd)
-            row["fwd_bwd_ms"] = _device_ms(fwd_bwd)
+            live.append((row, fwd, fwd_bwd))
+        except Exception as exc:  # a peer that cannot run this case is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        rows.append(row)
+    times: dict[int, dict[str, list[float]]] = {id(r): {"fwd": [], "fwd_bwd": []} for r, *_ in live}
+    for _ in range(rounds):
+        for row, fwd, fwd_bwd in list(live):
+            try:
+                times[id(row)]["fwd"].append(_device_ms(fwd))
+                times[id(row)]["fwd_bwd"].append(_device_ms(fwd_bwd))
+            except Exception as exc:  # noqa: BLE001 - reported in the row like a failed make()
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                live.remove((row, fwd, fwd_bwd))
+    for row, _fwd, fwd_bwd in live:
+        try:
+            row["fwd_ms"] = statistics.median(times[id(row)]["fwd"])
+            row["fwd_bwd_ms"] = statistics.median(times[id(row)]["fwd_bwd"])
+            row["fwd_bwd_ms_rounds"] = times[id(row)]["fwd_bwd"]
             row["fwd_bwd_wall_ms"] = _wall_ms(fwd_bwd)
-            # The same closures: a second make() would rebuild inputs and recompile peers.
             row["extra_mib"] = _extra_peak_mib(fwd_bwd)
-            del fwd, fwd_bwd
             if case.bytes_fwd:
                 row["fwd_gbps"] = case.bytes_fwd / row["fwd_ms"] / 1e6
             if case.bytes_fwd_bwd:
                 row["fwd_bwd_gbps"] = case.bytes_fwd_bwd / row["fwd_bwd_ms"] / 1e6
             if case.flops_fwd_bwd:
                 row["tflops"] = case.flops_fwd_bwd / row["fwd_bwd_ms"] / 1e9
-        except Exception as exc:  # a peer that cannot run this case is reported, not fatal
+        except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-        rows.append(row)
-        gc.collect()
-        torch.cuda.empty_cache()
+    del live
+    gc.collect()
+    torch.cuda.empty_cache()
     floor_ms = 0.0
     if case.bytes_fwd_bwd:
         floor_ms = case.bytes_fwd_bwd / (ceil.copy_gbps * 1e6)
