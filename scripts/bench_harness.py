@@ -167,7 +167,8 @@ def _extra_peak_mib(fwd_bwd: Callable[[], object]) -> float:
 
 def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
     """Every implementation of `case`, device times as medians over `rounds` in which the
-    implementations take turns, so a drift of the GPU during the case favours none of them."""
+    implementations take turns, so a drift of the GPU during the case favours none of them.
+    All implementations' inputs are held at once for that (their sum must fit the GPU)."""
     rows, live = [], []
     for impl in case.impls:
         row: dict = {"op": case.op, "shape": case.shape, "impl": impl.name}
@@ -202,7 +203,8 @@ def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
                 row["tflops"] = case.flops_fwd_bwd / row["fwd_bwd_ms"] / 1e9
         except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    del live
+    live.clear()
+    fwd = _fwd = fwd_bwd = None  # the loop names would keep the last closures alive
     gc.collect()
     torch.cuda.empty_cache()
     floor_ms = 0.0

@@ -42,10 +42,14 @@ def check(q, k, cos, sin, qo, ko, unsqueeze_dim, dtype):
     assert_close(k.grad, k64.grad, dtype, "dk")
 
 
+@pytest.mark.parametrize("checked", [False, True], ids=["small", "halves checked"])
 @pytest.mark.parametrize("layout", ["transposed", "contiguous"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
-def test_forward_and_grads(kt, case, dtype, layout):
+def test_forward_and_grads(kt, case, dtype, layout, checked, monkeypatch):
+    """Also with the halves check that real shapes get: the second halves are then skipped."""
+    if checked:
+        monkeypatch.setattr(sys.modules[kt.__name__ + ".rope"], "MIN_CHECKED_ELEMENTS", 0)
     q, k, cos, sin = make_inputs(*case, dtype, layout)
     qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
     assert qo.stride() == q.stride() and ko.stride() == k.stride()  # laid out like eager's
@@ -139,6 +143,29 @@ def test_checked_halves_are_cached_and_rechecked_after_a_write(kt, rope_mod):
         qo, ko = kt.apply_rotary_pos_emb(q2, k2, cos, sin)
         assert rope_mod.halves_repeat(cos, sin) is False
         check(q2, k2, cos, sin, qo, ko, 1, torch.float32)
+
+
+def test_a_kept_answer_follows_the_memory_behind_the_tensor(kt, rope_mod):
+    """`.data =` keeps the object and its version counter but not its contents."""
+    q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
+    kt.apply_rotary_pos_emb(q, k, cos, sin)
+    assert rope_mod.halves_repeat(cos, sin) is True
+    cos.data = torch.randn_like(cos)  # halves differ now
+    q2, k2 = fresh(q), fresh(k)
+    qo, ko = kt.apply_rotary_pos_emb(q2, k2, cos, sin)
+    assert rope_mod.halves_repeat(cos, sin) is False
+    check(q2, k2, cos, sin, qo, ko, 1, torch.float32)
+
+
+def test_cos_without_a_unit_stride_is_checked_once(kt, rope_mod):
+    q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
+    cos, sin = cos.transpose(1, 2).contiguous().transpose(1, 2), sin[..., :]  # cos: stride(-1) 7
+    assert cos.stride(-1) != 1
+    kt.apply_rotary_pos_emb(fresh(q), fresh(k), cos, sin)
+    kept = rope_mod._CHECKS[(id(cos), id(sin))]
+    for _ in range(2):
+        kt.apply_rotary_pos_emb(fresh(q), fresh(k), cos, sin)
+    assert rope_mod._CHECKS[(id(cos), id(sin))] is kept
 
 
 @pytest.mark.parametrize("backward", [False, True])

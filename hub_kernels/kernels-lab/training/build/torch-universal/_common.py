@@ -116,8 +116,9 @@ def pick_config(
         # drift of the GPU's speed or one slow launch does not decide the choice.
         events: list[list] = [[] for _ in candidates]
         for _ in range(TUNING_ROUNDS):
-            torch.cuda._sleep(2_000_000)  # keeps the GPU busy while the round is queued
             for cfg, spans in zip(candidates, events, strict=True):
+                # Keeps the GPU busy while this launch is queued, so no host gap is timed.
+                torch.cuda._sleep(1_000_000)
                 if flush is not None:
                     flush.zero_()
                 start, end = (

@@ -123,8 +123,8 @@ def _halves_differ_kernel(
     m = (r < n_rows)[:, None] & (d < HALF)[None, :]
     pc = C + r[:, None].to(tl.int64) * sc_r + d[None, :]
     ps = S + r[:, None].to(tl.int64) * ss_r + d[None, :]
-    differ = (tl.load(pc, mask=m) != tl.load(pc + HALF, mask=m)) | (
-        tl.load(ps, mask=m) != tl.load(ps + HALF, mask=m)
+    differ = (tl.load(pc, mask=m, other=0) != tl.load(pc + HALF, mask=m, other=0)) | (
+        tl.load(ps, mask=m, other=0) != tl.load(ps + HALF, mask=m, other=0)
     )
     if tl.max(tl.max(differ.to(tl.int32), 1), 0) > 0:
         tl.store(FLAG, 0)
@@ -159,6 +159,14 @@ def _check_halves(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return flag
 
 
+def _state(cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """What a kept answer depends on besides identity: the version counters (in-place ops) and
+    the memory viewed (``.data =`` and ``swap_tensors`` keep the object but change it)."""
+    return tuple(
+        (t._version, t.data_ptr(), t.storage_offset(), t.shape, t.stride()) for t in (cos, sin)
+    )
+
+
 class _HalvesCheck:
     """One cos/sin pair's check: the device flag, copied to the host without waiting for it."""
 
@@ -167,24 +175,22 @@ class _HalvesCheck:
             _CHECKS.pop(key, None)
 
         self.refs = (weakref.ref(cos, forget), weakref.ref(sin, forget))
-        self.versions = (cos._version, sin._version)
-        self.flag = _check_halves(cos, sin)
+        self.state = _state(cos, sin)
         self.value: bool | None = None
         self.landed = self.stream = None
-        if self.flag.is_cuda:
-            self.stream = torch.cuda.current_stream(self.flag.device)
+        if not cos.is_cuda:
+            self.flag = self.host = _check_halves(cos, sin)
+            return
+        with torch.cuda.device(cos.device):  # the check, its copy and event on cos's device
+            self.flag = _check_halves(cos, sin)
+            self.stream = torch.cuda.current_stream()
             self.host = torch.empty(1, dtype=torch.int32, pin_memory=True)
             self.host.copy_(self.flag, non_blocking=True)
             self.landed = torch.cuda.Event()
             self.landed.record(self.stream)
-        else:
-            self.host = self.flag
 
     def holds_for(self, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        refs = self.refs
-        return (
-            refs[0]() is cos and refs[1]() is sin and self.versions == (cos._version, sin._version)
-        )
+        return self.refs[0]() is cos and self.refs[1]() is sin and self.state == _state(cos, sin)
 
     def answer(self) -> bool | torch.Tensor | None:
         if self.value is None and (self.landed is None or self.landed.query()):
@@ -192,7 +198,7 @@ class _HalvesCheck:
         if self.value is not None:
             return self.value
         # Still on the device: only a kernel queued behind the check may read the flag.
-        return self.flag if torch.cuda.current_stream(self.flag.device) == self.stream else None
+        return self.flag if torch.cuda.current_stream() == self.stream else None
 
 
 # (id(cos), id(sin)) -> the check of that pair while both tensors live
@@ -205,6 +211,8 @@ def halves_repeat(cos: torch.Tensor, sin: torch.Tensor) -> bool | torch.Tensor |
     True or False once the answer is on the host; while its copy is in flight, the device flag
     (the kernel reads it); None, read both halves, where a kept answer could go stale unseen:
     inference tensors have no version counter, and a CUDA graph replays without asking again.
+    A write that bypasses the version counter (through ``.data``, a DLPack or numpy view, a
+    custom kernel) is not seen: the kept answer assumes cos/sin change only through torch ops.
     """
     if cos.numel() < MIN_CHECKED_ELEMENTS or cos.is_inference() or sin.is_inference():
         return None
@@ -261,9 +269,9 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
     if n_tokens == 0 or hq + hk == 0:
         return qo, ko
     half = d // 2
-    cos, sin = _unit_last(cos), _unit_last(sin)
-    if repeats is _ASK:
+    if repeats is _ASK:  # asked of the caller's tensors: a copy made below would be new each call
         repeats = halves_repeat(cos, sin)
+    cos, sin = _unit_last(cos), _unit_last(sin)
     flagged = isinstance(repeats, torch.Tensor)
     cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
 
@@ -283,7 +291,8 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
         )  # fmt: skip
 
     if cfg is None:
-        key = ("rope", n_tokens.bit_length(), hq, hk, d, q.dtype, cos.dtype, q.device)
+        answer = "flag" if flagged else repeats  # each kernel variant gets its own timing
+        key = ("rope", n_tokens.bit_length(), hq, hk, d, q.dtype, cos.dtype, q.device, answer)
         cfg = pick_config(key, rope_candidates(hq, hk, d), launch, cold=q.device)
     launch(cfg)
     return qo, ko
@@ -310,8 +319,10 @@ def rope(
     unsqueeze_dim: int,
     backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Only reached for calls that triton_supported() accepts (see apply_rotary_pos_emb).
-    return rotate(q, k, cos, sin, unsqueeze_dim, backward)
+    # Only reached for calls that triton_supported() accepts (see apply_rotary_pos_emb). Under
+    # torch.compile both halves are read: Inductor may reuse a buffer object for another tensor,
+    # writing it with its own kernels, which a kept answer would not notice.
+    return rotate(q, k, cos, sin, unsqueeze_dim, backward, repeats=None)
 
 
 @rope.register_fake
