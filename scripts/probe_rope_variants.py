@@ -102,35 +102,6 @@ def _rope_variant(Q, K, QO, KO, COS, SIN, FLAG, n_tokens, T,
                HALF, d, tok, n_tokens, c1, c2, s1, s2, NO_TMASK, CONST_HS, LOWP)  # fmt: skip
 
 
-@triton.jit
-def _halves_equal(C, S, FLAG, n_rows, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                  ROWS: tl.constexpr):  # fmt: skip
-    """Clears FLAG when some row of C or S (bit patterns, [n_rows, 2 * HALF]) has unequal halves."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, BLOCK_D)
-    m = (r < n_rows)[:, None] & (d < HALF)[None, :]
-    off = r[:, None].to(tl.int64) * (2 * HALF) + d[None, :]
-    bad = (tl.load(C + off, mask=m) != tl.load(C + off + HALF, mask=m)) | (
-        tl.load(S + off, mask=m) != tl.load(S + off + HALF, mask=m)
-    )
-    if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
-        tl.store(FLAG, 0)
-
-
-def halves_flag(cos, sin):
-    """Device int32: 1 when every row of cos and of sin repeats its first half (bit for bit)."""
-    d = cos.shape[-1]
-    bits = {2: torch.int16, 4: torch.int32}[cos.element_size()]
-    c = cos.contiguous().view(bits).reshape(-1, d)
-    s_ = sin.contiguous().view(bits).reshape(-1, d)
-    flag = torch.ones(1, dtype=torch.int32, device=cos.device)
-    rows = 32
-    _halves_equal[(triton.cdiv(c.shape[0], rows),)](
-        c, s_, flag, c.shape[0], HALF=d // 2, BLOCK_D=triton.next_power_of_2(d // 2), ROWS=rows
-    )
-    return flag
-
-
 VARIANTS = {
     "base": {},
     "half_cs": {"HALF_CS": True},
@@ -177,7 +148,7 @@ def probe(shape) -> None:
     q, k, c, s = inputs(*shape)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     with torch.no_grad():
-        flag = halves_flag(c, s)
+        flag = rope._check_halves(c, s)  # the shipped check
         assert flag.item() == 1
         launch_variant(q, k, qo, ko, c, s, {}, GEOMETRIES[0], flag)
         ref = qo.clone(), ko.clone()  # float32 math, one rounding: the exact check for the rest
@@ -187,7 +158,9 @@ def probe(shape) -> None:
         chosen = [v for k_, v in COMMON._CHOICES.items() if k_[0] == "rope"]
         rows = [("shipped (as tuned)", str(chosen[-1] if chosen else "first candidate"),
                  _device_ms(lambda: rope.rotate(q, k, c, s, 1, False)))]  # fmt: skip
-        rows.append(("(the halves check alone)", "32 rows", _device_ms(lambda: halves_flag(c, s))))
+        rows.append(
+            ("(the halves check alone)", "32 rows", _device_ms(lambda: rope._check_halves(c, s)))
+        )
         for name, flags in VARIANTS.items():
             best = None
             for geo in GEOMETRIES:

@@ -130,6 +130,15 @@ def fresh(t):
     return t.detach().clone().requires_grad_()
 
 
+def rotate_with_distinct_halves(kt, rope_mod, q, k, cos, sin):
+    """Rotates fresh copies of q and k after cos/sin changed: the check must answer False again
+    and the result must match the float64 formula."""
+    q2, k2 = fresh(q), fresh(k)
+    qo, ko = kt.apply_rotary_pos_emb(q2, k2, cos, sin)
+    assert rope_mod.halves_repeat(cos, sin) is False
+    check(q2, k2, cos, sin, qo, ko, 1, torch.float32)
+
+
 def test_checked_halves_are_cached_and_rechecked_after_a_write(kt, rope_mod):
     """The second halves are skipped only while cos/sin still repeat: a write is seen."""
     q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
@@ -139,10 +148,7 @@ def test_checked_halves_are_cached_and_rechecked_after_a_write(kt, rope_mod):
     assert rope_mod.halves_repeat(cos, sin) is True and rope_mod._CHECKS[(id(cos), id(sin))] is kept
     for t in (sin, cos):  # halves of one of them no longer equal, written in place
         t[1, 3, 8:] = torch.randn(8)
-        q2, k2 = fresh(q), fresh(k)
-        qo, ko = kt.apply_rotary_pos_emb(q2, k2, cos, sin)
-        assert rope_mod.halves_repeat(cos, sin) is False
-        check(q2, k2, cos, sin, qo, ko, 1, torch.float32)
+        rotate_with_distinct_halves(kt, rope_mod, q, k, cos, sin)
 
 
 def test_a_kept_answer_follows_the_memory_behind_the_tensor(kt, rope_mod):
@@ -151,10 +157,7 @@ def test_a_kept_answer_follows_the_memory_behind_the_tensor(kt, rope_mod):
     kt.apply_rotary_pos_emb(q, k, cos, sin)
     assert rope_mod.halves_repeat(cos, sin) is True
     cos.data = torch.randn_like(cos)  # halves differ now
-    q2, k2 = fresh(q), fresh(k)
-    qo, ko = kt.apply_rotary_pos_emb(q2, k2, cos, sin)
-    assert rope_mod.halves_repeat(cos, sin) is False
-    check(q2, k2, cos, sin, qo, ko, 1, torch.float32)
+    rotate_with_distinct_halves(kt, rope_mod, q, k, cos, sin)
 
 
 def test_cos_without_a_unit_stride_is_checked_once(kt, rope_mod):
