@@ -135,9 +135,16 @@ def main() -> int:
             "bound_modules": bound,
         }
         emit_result(out, args.out, f"fsdp-{args.setup}.json")
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without interpreter finalization: FSDP2's device mesh still holds the gloo group, and
+    # tearing gloo down while modules are cleared can abort a rank (SIGABRT, "terminate called
+    # without an active exception") after its work is done. Everything is written and flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -21,7 +21,9 @@ def _torchrun(setup: str, model_dir: Path, env: dict) -> dict:
     ]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert out.returncode == 0 and line, out.stderr[-3000:]
+    # rank 0 prints RESULT after the last all-reduce: it tells a crash in training from one at exit
+    said = "printed RESULT" if line else "printed no RESULT"
+    assert out.returncode == 0 and line, f"exit {out.returncode}, {said}\n{out.stderr[-3000:]}"
     return json.loads(line[len("RESULT ") :])
 
 
