@@ -221,3 +221,23 @@ def test_checks_are_dropped_with_their_tensors_and_skipped_where_unsafe(kt, rope
         assert rope_mod.halves_repeat(cos, sin) is None
     rope_mod.MIN_CHECKED_ELEMENTS = cos.numel() + 1
     assert rope_mod.halves_repeat(cos.clone(), sin.clone()) is None
+
+
+def test_backward_reuses_the_forward_check_after_the_caller_drops_cos_sin(
+    kt, rope_mod, monkeypatch
+):
+    """transformers drops position_embeddings after the forward; autograd keeps cos/sin alive
+    (same objects), so every layer's backward reuses the forward's answer instead of re-checking."""
+    q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
+    calls = []
+    real = rope_mod._check_halves
+    monkeypatch.setattr(rope_mod, "_check_halves", lambda c, s: calls.append(1) or real(c, s))
+    outs = [kt.apply_rotary_pos_emb(q, k, cos, sin) for _layer in range(3)]
+    assert len(calls) == 1
+    key = (id(cos), id(sin))
+    del cos, sin
+    torch.autograd.backward(
+        [o for pair in outs for o in pair], [torch.ones_like(o) for pair in outs for o in pair]
+    )
+    assert len(calls) == 1 and key not in rope_mod._CHECKS  # kept through backward, then dropped
+    assert q.grad is not None and k.grad is not None
