@@ -1,4 +1,5 @@
-"""Benchmark cases for the memory-bound training kernels: RMSNorm, LayerNorm, RoPE, SwiGLU/GeGLU, SiLU.
+"""Benchmark cases for the memory-bound training kernels: RMSNorm (also fused with the residual
+add), LayerNorm, RoPE, SwiGLU/GeGLU, SiLU.
 
 Peers per case: eager (the transformers / torch module's own forward), torch.compile of that same
 eager code, Liger 0.8.5 where it has the op, and ours (the layer from
@@ -25,11 +26,13 @@ def _liger():
         import liger_kernel.transformers as lt
         from liger_kernel.ops.geglu import LigerGELUMulFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except ImportError as exc:
         return f"liger-kernel missing: {exc}"
     return types.SimpleNamespace(
         RMSNorm=lt.LigerRMSNorm,
+        FusedAddRMSNorm=LigerFusedAddRMSNorm,
         LayerNorm=lt.LigerLayerNorm,
         rope=liger_rotary_pos_emb,
         silu_mul=LigerSiLUMulFunction.apply,
@@ -85,23 +88,25 @@ def _randn(*shape, requires_grad=True):
 # --- RMSNorm -----------------------------------------------------------------------------------
 
 
-def rms_norm_case(m: int, n: int, target_ms: float | None = None, label: str = "") -> Case:
+def _llama_rms_norm(n: int):
+    """A bf16 LlamaRMSNorm on the GPU with a weight around 1 (not exactly 1)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+    mod = LlamaRMSNorm(n, eps=1e-6).to("cuda", DT)
+    with torch.no_grad():
+        mod.weight.normal_(1.0, 0.1)
+    return mod
+
+
+def rms_norm_case(m: int, n: int, target_ms: float | None = None, label: str = "") -> Case:
     kt, liger = load_training_kernels(), _liger()
 
-    def module():
-        mod = LlamaRMSNorm(n, eps=1e-6).to("cuda", DT)
-        with torch.no_grad():
-            mod.weight.normal_(1.0, 0.1)
-        return mod
-
     def eager():
-        mod, x = module(), _randn(m, n)
+        mod, x = _llama_rms_norm(n), _randn(m, n)
         return (lambda: mod(x)), [x, mod.weight]
 
     def ours():
-        mod, x = module(), _randn(m, n)
+        mod, x = _llama_rms_norm(n), _randn(m, n)
         mod.forward = types.MethodType(kt.layers.RMSNorm.forward, mod)
         return (lambda: mod(x)), [x, mod.weight]
 
@@ -123,6 +128,41 @@ def rms_norm_case(m: int, n: int, target_ms: float | None = None, label: str = "
         bytes_fwd=2 * B2 * elems,
         bytes_fwd_bwd=5 * B2 * elems,
         target_ms=target_ms,
+    )
+
+
+def add_rms_norm_case(m: int, n: int) -> Case:
+    """The decoder layer's `residual + hidden` followed by its RMSNorm; returns (normed, sum)."""
+    kt, liger = load_training_kernels(), _liger()
+
+    def eager():
+        mod, x, r = _llama_rms_norm(n), _randn(m, n), _randn(m, n)
+
+        def fn():
+            s = r + x
+            return mod(s), s
+
+        return fn, [x, r, mod.weight]
+
+    def ours():
+        mod, x, r = _llama_rms_norm(n), _randn(m, n), _randn(m, n)
+        mod.forward = types.MethodType(kt.layers.FusedAddRMSNorm.forward, mod)
+        return (lambda: mod(x, r)), [x, r, mod.weight]
+
+    def liger_impl():
+        if isinstance(liger, str):
+            raise RuntimeError(liger)
+        mod = liger.FusedAddRMSNorm(n, eps=1e-6).to("cuda", DT)
+        x, r = _randn(m, n), _randn(m, n)
+        return (lambda: mod(x, r)), [x, r, mod.weight]
+
+    elems = m * n
+    return Case(
+        op="AddRMSNorm",
+        shape=f"x, residual {m}x{n}",
+        impls=_impls(eager, ours, liger_impl),
+        bytes_fwd=4 * B2 * elems,  # read x and the residual, write the sum and the norm
+        bytes_fwd_bwd=8 * B2 * elems,  # + read dy, ds and the sum, write one shared gradient
     )
 
 
@@ -281,6 +321,7 @@ def cases(small: bool) -> list[Case]:
     """The anchors (issue targets) and small, launch-bound shapes; `small` keeps only the latter."""
     out = [
         rms_norm_case(2048, 4096),
+        add_rms_norm_case(2048, 4096),
         rope_case(1, 32, 8, 2048, 128),
         glu_case(2048, 4096, "silu"),
         layer_norm_case(2048, 4096),
@@ -290,6 +331,7 @@ def cases(small: bool) -> list[Case]:
     return out + [
         rms_norm_case(16384, 4096, target_ms=0.20),
         rms_norm_case(262144, 128, label=" (Qwen3 q_norm)"),
+        add_rms_norm_case(16384, 4096),
         rope_case(8, 32, 8, 2048, 128, target_ms=0.20),
         rope_case(8, 16, 8, 2048, 128),
         glu_case(16384, 14336, "silu", target_ms=0.92),

@@ -84,6 +84,29 @@ def test_rms_norm_real_shapes(kt, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_real_shape(kt, dtype):
+    """The sum equals torch's add bit for bit (one rounding to nearest), the norm equals the
+    separate RMSNorm of that sum to one rounding, the gradients match float64."""
+    x = torch.randn(16384, 4096, device="cuda", dtype=dtype, requires_grad=True)
+    r = torch.randn(16384, 4096, device="cuda", dtype=dtype, requires_grad=True)
+    w = (torch.randn(4096, device="cuda", dtype=dtype) * 0.1 + 1).requires_grad_()
+    y, s = kt.fused_add_rms_norm(x, r, w, 1e-6)
+    with torch.no_grad():
+        assert torch.equal(s, r + x)
+        y_sep = kt.rms_norm(r + x, w, 1e-6)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(y, y_sep, rtol=eps, atol=eps * y_sep.abs().max().item())
+    dy, ds = torch.randn_like(y), torch.randn_like(s)
+    dx, dr, dw = torch.autograd.grad((y, s), (x, r, w), (dy, ds))
+    x64, r64, w64 = leaf64(x), leaf64(r), leaf64(w)
+    s64 = x64 + r64
+    y64 = w64 * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    dx64, dr64, dw64 = torch.autograd.grad((y64, s64), (x64, r64, w64), (dy.double(), ds.double()))
+    for name, out, ref in (("y", y, y64), ("dx", dx, dx64), ("dr", dr, dr64), ("dw", dw, dw64)):
+        check(out, ref, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemma_rms_norm_and_layer_norm(kt, dtype):
     x = torch.randn(8192, 2048, device="cuda", dtype=dtype, requires_grad=True)
     w = (torch.randn(2048, device="cuda", dtype=dtype) * 0.1).requires_grad_()

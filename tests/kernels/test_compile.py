@@ -35,6 +35,10 @@ def _cases(kt):
             lambda x, w: kt.rms_norm(x, w, 1e-6, save_output=True),
             (x, (torch.rand(40) + 0.5).requires_grad_()),
         ),
+        "fused_add_rms_norm": (
+            lambda x, r, w: kt.fused_add_rms_norm(x, r, w, 1e-6),
+            (x, torch.randn(6, 40, requires_grad=True), w),
+        ),
         "layer_norm": (lambda x, w, b: kt.layer_norm(x, w, b, 1e-5), (x, w, bias)),
         "silu_mul": (kt.silu_mul, (a, b)),
         "gelu_mul": (kt.gelu_mul, (a, b)),
@@ -49,6 +53,7 @@ def _cases(kt):
         "rms_norm",
         "gemma_rms_norm",
         "rms_norm_save_output",
+        "fused_add_rms_norm",
         "layer_norm",
         "silu_mul",
         "gelu_mul",

@@ -1,4 +1,5 @@
-"""kernels-lab/training: Triton training kernels (RMSNorm, LayerNorm, RoPE, SwiGLU/GeGLU, SiLU).
+"""kernels-lab/training: Triton training kernels (RMSNorm, fused add + RMSNorm, LayerNorm, RoPE,
+SwiGLU/GeGLU, SiLU).
 
 Functional ops are exposed here; ``layers`` holds the layer classes that kernelize binds onto
 transformers modules. CUDA tensors run Triton; CPU tensors run plain torch, or Triton's
@@ -6,6 +7,7 @@ interpreter when TRITON_INTERPRET=1.
 """
 
 from . import layers
+from .add_rms_norm import fused_add_rms_norm
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
 from .rope import apply_rotary_pos_emb
@@ -13,6 +15,7 @@ from .swiglu import gelu_mul, silu, silu_mul
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "fused_add_rms_norm",
     "gelu_mul",
     "layer_norm",
     "layers",

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .add_rms_norm import fused_add_rms_norm
 from .gated_mlp import gated_mlp
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
@@ -72,6 +73,20 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, _eps(self), gemma=True)
+
+
+class FusedAddRMSNorm(nn.Module):
+    """RMSNorm with the residual add before it: ``forward(hidden_states, residual)`` returns
+    (the normed sum, the sum), for a module holding ``weight`` and ``variance_epsilon`` (or ``eps``)
+    whose forward has that signature (as Liger's LigerFusedAddRMSNorm)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_add_rms_norm(hidden_states, residual, self.weight, _eps(self))
 
 
 class rotary_pos_emb(nn.Module):  # noqa: N801 - the layer name transformers asks for

@@ -27,19 +27,10 @@ MAX_TRITON_N = 65536
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X,
-    W,
-    Y,
-    RSTD,
-    M,
-    N,
-    stride_x,
-    stride_y,
-    eps,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GEMMA: tl.constexpr,
-):
+    X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, stride_y, stride_s, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr, RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    # RESIDUAL: normalise s = x + r (rounded to x's dtype, as HF's residual add) and store s too.
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -48,6 +39,12 @@ def _rms_norm_fwd_kernel(
     mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(R + r64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # One rounding of the exact fp32 sum: what torch's 16-bit add gives.
+        x = (x + r).to(S.dtype.element_ty)
+        tl.store(S + r64 * stride_s + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     xhat = x * rstd[:, None]
@@ -74,11 +71,14 @@ def _load_rows(DY, X, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DX, DW_PART, M, N, stride_dy, stride_x, stride_dx, rows_per_program,
+    DY, X, W, RSTD, DX, DW_PART, DS, M, N, stride_dy, stride_x, stride_dx, stride_ds,
+    rows_per_program,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr,
     COMPUTE_DW: tl.constexpr, PREFETCH: tl.constexpr, ACC_2D: tl.constexpr, FROM_Y: tl.constexpr,
+    HAS_DS: tl.constexpr,
 ):  # fmt: skip
     # FROM_Y: X points at the forward's output y, and x̂ = y / w.
+    # HAS_DS: DS is the gradient of the residual sum s = x + r, which also flows to x (and r).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -122,7 +122,10 @@ def _rms_norm_bwd_kernel(
         g = dy * w[None, :]
         c = tl.sum(g * xhat, axis=1) / N
         dx = (g - xhat * c[:, None]) * rstd[:, None]
-        dx_ptr = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        if HAS_DS:
+            dx += tl.load(DS + r64 * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dx_ptr = DX + r64 * stride_dx + cols[None, :]
         tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if GEMMA or FROM_Y:
@@ -212,29 +215,40 @@ def out_dtype(x: torch.Tensor, weight: torch.Tensor, gemma: bool) -> torch.dtype
     return x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
 
 
-def forward(x, weight, eps, gemma, cfg=None):
-    """Triton forward: returns (y shaped like x, rstd [rows] fp32)."""
+def forward(x, weight, eps, gemma, cfg=None, residual=None):
+    """Triton forward: returns (y shaped like x, rstd [rows] fp32, s).
+
+    With `residual` (shaped and typed like x) it normalises s = x + residual and returns s too
+    (shaped like x); else s is None.
+    """
     n = x.shape[-1]
     x2 = as_rows(x, n)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=out_dtype(x, weight, gemma), device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    r2 = s = None
+    if residual is not None:
+        r2 = as_rows(residual, n)
+        s = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 0:
+        r_arg, s_arg = (x2, y) if s is None else (r2, s)  # unused stand-ins without a residual
 
         def launch(c):
             _rms_norm_fwd_kernel[(triton.cdiv(m, c["BLOCK_M"]),)](
-                x2, weight, y, rstd, m, n, x2.stride(0), y.stride(0), eps,
-                BLOCK_M=c["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, num_warps=c["num_warps"],
+                x2, r_arg, weight, y, s_arg, rstd, m, n,
+                x2.stride(0), r_arg.stride(0), y.stride(0), s_arg.stride(0), eps,
+                BLOCK_M=c["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, RESIDUAL=s is not None,
+                num_warps=c["num_warps"],
             )  # fmt: skip
 
         if cfg is None:
-            key = ("rms_fwd", m.bit_length(), n, x.dtype, weight.dtype, x.device)
+            key = ("rms_fwd", m.bit_length(), n, x.dtype, weight.dtype, x.device, s is not None)
             cfg = pick_config(key, fwd_candidates(m, n), launch)
         launch(cfg)
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+    return y.view(x.shape), rstd.view(x.shape[:-1]), (None if s is None else s.view(x.shape))
 
 
-def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False):
+def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False, ds2=None):
     m, n = x2.shape
     programs = min(cfg["per_sm"] * sm_count(x2.device), triton.cdiv(m, cfg["BLOCK_M"]))
     rows_per_program = triton.cdiv(m, programs)
@@ -242,39 +256,43 @@ def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False)
     part = torch.empty(
         (programs, n) if compute_dw else (1, 1), dtype=torch.float32, device=x2.device
     )
+    ds_arg = dy2 if ds2 is None else ds2  # an unused stand-in without a residual gradient
     _rms_norm_bwd_kernel[(programs,)](
-        dy2, x2, weight, rstd, dx, part, m, n,
-        dy2.stride(0), x2.stride(0), dx.stride(0), rows_per_program,
+        dy2, x2, weight, rstd, dx, part, ds_arg, m, n,
+        dy2.stride(0), x2.stride(0), dx.stride(0), ds_arg.stride(0), rows_per_program,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, COMPUTE_DW=compute_dw,
-        PREFETCH=cfg["PREFETCH"], ACC_2D=cfg["ACC_2D"], FROM_Y=from_y,
+        PREFETCH=cfg["PREFETCH"], ACC_2D=cfg["ACC_2D"], FROM_Y=from_y, HAS_DS=ds2 is not None,
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     return part
 
 
-def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_dtype=None):
+def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_dtype=None, ds=None):
     """Triton backward: returns (dx, dW like weight or an empty tensor).
 
     With ``from_y`` the tensor passed as `x` is the forward's output y, and dx takes `x_dtype`.
+    With `ds` (the gradient reaching the residual sum s of the fused add) `x` is s and dx is the
+    gradient of s, which is also that of both summands.
     """
     n = x.shape[-1]
     x2 = as_rows(x, n)
     dy2 = as_rows(dy, n)
+    ds2 = None if ds is None else as_rows(ds, n)
     m = x2.shape[0]
     dx = torch.empty((m, n), dtype=x_dtype or x.dtype, device=x.device)
     if m == 0:
         dw = torch.zeros_like(weight) if compute_dw else weight.new_empty(0)
         return dx.view(x.shape), dw
     rstd = rstd.reshape(-1)
+
+    def launch(c):
+        return _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, c, from_y, ds2)
+
     if cfg is None:
         key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, weight.dtype, x.device, compute_dw,
-               from_y)  # fmt: skip
-        cfg = pick_config(
-            key,
-            bwd_candidates(m, n),
-            lambda c: _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, c, from_y),
-        )
-    part = _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y)
+               from_y, ds is not None)  # fmt: skip
+        cfg = pick_config(key, bwd_candidates(m, n), launch)
+    part = launch(cfg)
     dw = column_sum(part, weight.dtype) if compute_dw else weight.new_empty(0)
     return dx.view(x.shape), dw
 
@@ -291,12 +309,14 @@ def _torch_forward(x, weight, eps, gemma):
     return y.contiguous(), rstd.contiguous()
 
 
-def _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None):
+def _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None, ds=None):
     w = weight.float() + 1.0 if gemma else weight.float()
     xhat = x.float() / w if from_y else x.float() * rstd.unsqueeze(-1)
     x_dtype = x_dtype or x.dtype
     g = dy.float() * w
     dx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.unsqueeze(-1)
+    if ds is not None:  # added before the one rounding, as the kernel does
+        dx = dx + ds.float()
     dw = weight.new_empty(0)
     if compute_dw:
         xw = xhat if gemma or from_y else xhat.to(x_dtype).float()
@@ -304,18 +324,19 @@ def _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtyp
     return dx.to(x_dtype).contiguous(), dw
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def use_triton_rows(x: torch.Tensor) -> bool:
+    """Whether rows of `x` take the Triton kernels (else the torch path)."""
     return use_triton(x) and x.shape[-1] <= MAX_TRITON_N
 
 
 def _forward_any(x, weight, eps, gemma):
-    if _use_triton(x):
-        return forward(x, weight, eps, gemma)
+    if use_triton_rows(x):
+        return forward(x, weight, eps, gemma)[:2]
     return _torch_forward(x, weight, eps, gemma)
 
 
 def _backward_any(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None):
-    if _use_triton(x):
+    if use_triton_rows(x):
         return backward(dy, x, weight, rstd, gemma, compute_dw, None, from_y, x_dtype)
     return _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y, x_dtype)
 

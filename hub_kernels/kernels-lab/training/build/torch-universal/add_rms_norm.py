@@ -1,0 +1,131 @@
+"""Residual add fused with RMSNorm: ``s = x + residual; y = rms_norm(s)``, returning (y, s).
+
+The decoder-layer pattern ``hidden = residual + hidden; residual = hidden; hidden = norm(hidden)``
+in one pass: x and the residual are read once, s and y written once, instead of a separate add
+kernel writing s and the norm reading it back. s is rounded to the inputs' dtype before it is
+normalised, exactly like the separate add. The backward keeps s and rstd; the gradient reaching s
+(from the norm and from s's own later uses) is the gradient of both x and the residual, computed
+by the RMSNorm backward kernel with the incoming ds added before its one rounding.
+
+Inputs of different shapes or dtypes (where the add would broadcast or promote) run the add and
+the norm separately, with the same results.
+"""
+
+from typing import Optional
+
+import torch
+
+from ._common import op_name
+from .rms_norm import _torch_backward, _torch_forward, backward, forward, rms_norm, use_triton_rows
+
+
+def _forward_any(x, residual, weight, eps, gemma):
+    """(y, s, rstd): the Triton kernel where it applies, else torch ops with the same roundings."""
+    if use_triton_rows(x):
+        y, rstd, s = forward(x, weight, eps, gemma, residual=residual)
+        return y, s, rstd
+    s = (x + residual).contiguous()
+    y, rstd = _torch_forward(s, weight, eps, gemma)
+    return y, s, rstd
+
+
+def _backward_any(dy, ds, s, weight, rstd, gemma, compute_dw):
+    """(d of s, dW): the norm's gradient plus `ds`, the gradient of s from its other uses."""
+    if dy is None:  # only s was used afterwards
+        dy = torch.zeros_like(s)
+    if use_triton_rows(s):
+        return backward(dy, s, weight, rstd, gemma, compute_dw, ds=ds)
+    return _torch_backward(dy, s, weight, rstd, gemma, compute_dw, ds=ds)
+
+
+@torch.library.custom_op(op_name("add_rms_norm_fwd"), mutates_args=())
+def add_rms_norm_fwd(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_any(x, residual, weight, eps, gemma)
+
+
+@add_rms_norm_fwd.register_fake
+def _(x, residual, weight, eps, gemma):
+    y = x.new_empty(x.shape, dtype=x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype))
+    return (
+        y,
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op(op_name("add_rms_norm_bwd"), mutates_args=())
+def add_rms_norm_bwd(
+    dy: torch.Tensor,
+    ds: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses typing.Optional
+    s: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    gemma: bool,
+    compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward_any(dy, ds, s, weight, rstd, gemma, compute_dw)
+
+
+@add_rms_norm_bwd.register_fake
+def _(dy, ds, s, weight, rstd, gemma, compute_dw):
+    dw = torch.empty_like(weight) if compute_dw else weight.new_empty(0)
+    return torch.empty_like(s), dw
+
+
+def _setup_context(ctx, inputs, output):
+    _x, _residual, weight, _eps, gemma = inputs
+    _y, s, rstd = output
+    ctx.save_for_backward(s, weight, rstd)
+    ctx.gemma = gemma
+
+
+def _backward(ctx, dy, ds, _drstd):
+    s, weight, rstd = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[2]
+    dsum, dw = add_rms_norm_bwd(dy, ds, s, weight, rstd, ctx.gemma, need_dw)
+    return dsum, dsum, (dw if need_dw else None), None, None
+
+
+add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    """The eager path: the same kernels without the custom-op dispatch cost on every call."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, gemma):
+        y, s, rstd = _forward_any(x, residual, weight, eps, gemma)
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.gemma = gemma
+        ctx.set_materialize_grads(False)  # an unused output costs no zero-filled gradient
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        s, weight, rstd = ctx.saved_tensors
+        need_dw = ctx.needs_input_grad[2]
+        if dy is None and ds is None:
+            return None, None, None, None, None
+        dsum, dw = _backward_any(dy, ds, s, weight, rstd, ctx.gemma, need_dw)
+        # Like torch's add: both summands get the same gradient tensor.
+        return dsum, dsum, (dw if need_dw else None), None, None
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; HF Llama numerics (Gemma's with
+    ``gemma=True``) on the sum rounded to the inputs' dtype."""
+    if x.shape != residual.shape or x.dtype != residual.dtype or x.device != residual.device:
+        s = residual + x
+        return rms_norm(s, weight, eps, gemma), s
+    if torch.compiler.is_compiling():
+        y, s, _rstd = add_rms_norm_fwd(x, residual, weight, float(eps), gemma)
+        return y, s
+    return _AddRMSNormFunction.apply(x, residual, weight, float(eps), gemma)
