@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -70,14 +71,77 @@ def test_one_output_unused(kt, used):
         assert w.grad is None or not w.grad.any()
 
 
-def test_frozen_weight_and_inputs_without_grad(kt):
-    x = torch.randn(4, 48, requires_grad=True)
-    r = torch.randn(4, 48)  # e.g. the embeddings of a frozen table
-    w = torch.randn(48)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("trainable", ["x", "residual", "weight", "x,weight", "residual,weight"])
+def test_gradients_of_whichever_inputs_require_them(kt, trainable, compiled):
+    """Each input that requires grad gets its own gradient (the weight's is not the residual's),
+    the others get none; the sum requires grad only where torch's add would."""
+    names = trainable.split(",")
+    x, r, w = torch.randn(4, 48), torch.randn(4, 48), torch.randn(48) * 0.3 + 1
+    for name, t in zip(("x", "residual", "weight"), (x, r, w), strict=True):
+        t.requires_grad_(name in names)
+    fn = lambda x, r, w: kt.fused_add_rms_norm(x, r, w, 1e-6)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    y, s = fn(x, r, w)
+    assert s.requires_grad == (x.requires_grad or r.requires_grad)
+    dy, ds = torch.randn_like(y), torch.randn_like(s)
+    outs = [(y, dy)] + ([(s, ds)] if s.requires_grad else [])
+    torch.autograd.backward([o for o, _ in outs], [g for _, g in outs])
+    _, _, dx64, dr64, dw64 = reference(x, r, w, 1e-6, False, dy, ds if s.requires_grad else None)
+    for t, ref, what in ((x, dx64, "dx"), (r, dr64, "dresidual"), (w, dw64, "dw")):
+        if t.requires_grad:
+            assert_close(t.grad, ref, torch.float32, what)
+        else:
+            assert t.grad is None, what
+
+
+def test_strided_residual_and_sum_gradient(kt):
+    """A residual whose rows are apart by more than their width (an unaligned slice), and a
+    gradient of the sum that arrives row-strided (the sum feeds a cat)."""
+    x = torch.randn(9, 96, requires_grad=True)
+    base = torch.randn(9, 200)
+    r = base[:, 3:99].requires_grad_()
+    w = (torch.randn(96) * 0.3 + 1).requires_grad_()
     y, s = kt.fused_add_rms_norm(x, r, w, 1e-6)
-    (y.sum() + s.sum()).backward()
-    _, _, dx64, _, _ = reference(x, r, w, 1e-6, False, torch.ones_like(y), torch.ones_like(s))
-    assert_close(x.grad, dx64, torch.float32, "dx")
+    assert torch.equal(s, r + x)
+    cat = torch.cat([s, torch.randn(9, 40)], dim=-1)
+    dy, dcat = torch.randn_like(y), torch.randn_like(cat)
+    torch.autograd.backward((y, cat), (dy, dcat))
+    _, _, dx64, dr64, dw64 = reference(x, r, w, 1e-6, False, dy, dcat[:, :96])
+    for name, out, ref in (("dx", x.grad, dx64), ("dresidual", r.grad, dr64), ("dw", w.grad, dw64)):
+        assert_close(out, ref, torch.float32, name)
+
+
+def test_sum_gradient_is_added_before_the_one_rounding(kt):
+    """fp16: the kernel's dx equals the fp32 norm gradient plus ds, rounded once."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    x = torch.randn(6, 200, dtype=torch.float16)
+    w = torch.rand(200, dtype=torch.float16) + 0.5
+    dy, ds = torch.randn_like(x), torch.randn_like(x)
+    _, rstd, _ = mod.forward(x, w, 1e-6, False)
+    cfg = mod.bwd_candidates(6, 200)[0]
+    dx, _ = mod.backward(dy, x, w, rstd, False, False, cfg, ds=ds)
+    dx32, _ = mod.backward(dy, x, w, rstd, False, False, cfg, x_dtype=torch.float32)
+    assert torch.equal(dx, (dx32 + ds.float()).to(torch.float16))
+
+
+def test_ops_pass_opcheck(kt):
+    """torch.library.opcheck: schema, fake tensors against real ones, autograd registration."""
+    mod = sys.modules[kt.__name__ + ".add_rms_norm"]
+    x = torch.randn(5, 3, 40, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(5, 3, 40, dtype=torch.bfloat16, requires_grad=True)
+    w32 = torch.randn(40, requires_grad=True)
+    for gemma in (False, True):  # bf16 inputs with an fp32 weight: y promotes unless gemma
+        torch.library.opcheck(mod.add_rms_norm_fwd, (x, r, w32, 1e-6, gemma))
+    torch.library.opcheck(mod.add_rms_norm_fwd, (x[:0], r[:0], w32, 1e-6, False))  # no rows
+    _, s, rstd = mod.add_rms_norm_fwd(x.detach(), r.detach(), w32.detach(), 1e-6, False)
+    dy = torch.randn(5, 3, 40)
+    for ds in (torch.randn_like(s), None):
+        for compute_dw in (True, False):
+            args = (dy, ds, s, w32.detach(), rstd, False, compute_dw)
+            torch.library.opcheck(mod.add_rms_norm_bwd, args)
 
 
 def test_mismatched_inputs_run_the_add_and_norm_separately(kt):
@@ -96,18 +160,23 @@ def test_mismatched_inputs_run_the_add_and_norm_separately(kt):
     assert b.grad.shape == (64,)
 
 
-def test_torch_path_without_interpreter(kt, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_path_without_interpreter(kt, monkeypatch, dtype):
     """CPU tensors take plain torch ops when the interpreter is off; same results."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    x, r = torch.randn(4, 3, 40, requires_grad=True), torch.randn(4, 3, 40, requires_grad=True)
-    w = torch.randn(40, requires_grad=True)
+    x = torch.randn(4, 3, 40, dtype=dtype, requires_grad=True)
+    r = torch.randn(4, 3, 40, dtype=dtype, requires_grad=True)
+    w = (torch.randn(40, dtype=dtype) * 0.3 + 1).requires_grad_()
     y, s = kt.fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, r + x)  # torch's own add: exact in every dtype
+    with torch.no_grad():  # the norm of the rounded sum
+        assert torch.equal(y, kt.rms_norm(r + x, w, 1e-6))
     dy, ds = torch.randn_like(y), torch.randn_like(s)
     torch.autograd.backward((y, s), (dy, ds))
     y64, s64, dx64, dr64, dw64 = reference(x, r, w, 1e-6, False, dy, ds)
     for name, out, ref in (("y", y, y64), ("s", s, s64), ("dx", x.grad, dx64),
                            ("dresidual", r.grad, dr64), ("dw", w.grad, dw64)):  # fmt: skip
-        assert_close(out, ref, torch.float32, name)
+        assert_close(out, ref, dtype, name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -31,8 +31,9 @@ def _forward_any(x, residual, weight, eps, gemma):
 
 def _backward_any(dy, ds, s, weight, rstd, gemma, compute_dw):
     """(d of s, dW): the norm's gradient plus `ds`, the gradient of s from its other uses."""
-    if dy is None:  # only s was used afterwards
-        dy = torch.zeros_like(s)
+    if dy is None:  # only s was used afterwards: the norm adds nothing
+        dw = torch.zeros_like(weight) if compute_dw else weight.new_empty(0)
+        return ds.to(s.dtype).contiguous(), dw
     if use_triton_rows(s):
         return backward(dy, s, weight, rstd, gemma, compute_dw, ds=ds)
     return _torch_backward(dy, s, weight, rstd, gemma, compute_dw, ds=ds)
@@ -100,6 +101,8 @@ class _AddRMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(s, weight, rstd)
         ctx.gemma = gemma
         ctx.set_materialize_grads(False)  # an unused output costs no zero-filled gradient
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            ctx.mark_non_differentiable(s)  # as torch's add of two tensors without grad
         return y, s
 
     @staticmethod
@@ -127,5 +130,6 @@ def fused_add_rms_norm(
         return rms_norm(s, weight, eps, gemma), s
     if torch.compiler.is_compiling():
         y, s, _rstd = add_rms_norm_fwd(x, residual, weight, float(eps), gemma)
-        return y, s
+        # A custom op's outputs all require grad when any input does; torch's add would not.
+        return y, (s if x.requires_grad or residual.requires_grad else s.detach())
     return _AddRMSNormFunction.apply(x, residual, weight, float(eps), gemma)
