@@ -180,7 +180,8 @@ def backward(dy, x, weight, mean, rstd, compute_dw, compute_db, cfg=None):
         return dx.view(x.shape), dw, x.new_zeros(n) if compute_db else x.new_empty(0)
     mean, rstd = mean.reshape(-1), rstd.reshape(-1)
     if cfg is None:
-        key = ("ln_bwd", m.bit_length(), n, x.dtype, dy.dtype, x.device, compute_dw, compute_db)
+        key = ("ln_bwd", m.bit_length(), n, x.dtype, dy.dtype, x.device, weight is not None,
+               compute_dw, compute_db)  # fmt: skip
         cfg = pick_config(
             key,
             bwd_candidates(m, n),

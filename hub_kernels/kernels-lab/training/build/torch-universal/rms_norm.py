@@ -242,7 +242,8 @@ def forward(x, weight, eps, gemma, cfg=None, residual=None):
             )  # fmt: skip
 
         if cfg is None:
-            key = ("rms_fwd", m.bit_length(), n, x.dtype, weight.dtype, x.device, s is not None)
+            key = ("rms_fwd", m.bit_length(), n, x.dtype, weight.dtype, x.device, gemma,
+                   s is not None)  # fmt: skip
             cfg = pick_config(key, fwd_candidates(m, n), launch)
         launch(cfg)
     return y.view(x.shape), rstd.view(x.shape[:-1]), (None if s is None else s.view(x.shape))
@@ -289,8 +290,8 @@ def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_d
         return _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, c, from_y, ds2)
 
     if cfg is None:
-        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, weight.dtype, x.device, compute_dw,
-               from_y, ds is not None)  # fmt: skip
+        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, weight.dtype, x.device, gemma,
+               compute_dw, from_y, ds is not None)  # fmt: skip
         cfg = pick_config(key, bwd_candidates(m, n), launch)
     part = launch(cfg)
     dw = column_sum(part, weight.dtype) if compute_dw else weight.new_empty(0)
