@@ -127,6 +127,22 @@ def test_sum_gradient_is_added_before_the_one_rounding(kt):
     assert torch.equal(dx, (dx32 + ds.float()).to(torch.float16))
 
 
+@pytest.mark.parametrize("shape", [(45, 1000), (70, 128)], ids=str)
+def test_every_backward_candidate_with_a_sum_gradient(kt, shape):
+    """The GPU picks the backward geometry by timing (prefetching ds too); each must be right."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    x, r = torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16)
+    w = torch.randn(shape[-1], dtype=torch.bfloat16) * 0.3 + 1
+    y, rstd, s = mod.forward(x, w, 1e-6, False, residual=r)
+    dy, ds = torch.randn_like(y), torch.randn_like(s)
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    _, _, dx64, _, dw64 = reference(*leaves, 1e-6, False, dy, ds)
+    for cfg in mod.bwd_candidates(*shape):
+        dsum, dw = mod.backward(dy, s, w, rstd, False, True, cfg, ds=ds)
+        assert_close(dsum, dx64, torch.bfloat16, f"dsum {cfg}")
+        assert_close(dw, dw64, torch.bfloat16, f"dw {cfg}")
+
+
 def test_ops_pass_opcheck(kt):
     """torch.library.opcheck: schema, fake tensors against real ones, autograd registration."""
     mod = sys.modules[kt.__name__ + ".add_rms_norm"]

@@ -58,7 +58,11 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _load_rows(DY, X, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M: tl.constexpr):
+def _load_rows(
+    DY, X, RSTD, DS, r0, row_end, cols, cmask, stride_dy, stride_x, stride_ds,
+    BLOCK_M: tl.constexpr, HAS_DS: tl.constexpr,
+):  # fmt: skip
+    """One block of rows' dy, x (or y), rstd and, with HAS_DS, ds (else ds is dy, unused)."""
     rows = r0 + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
     mask = rmask[:, None] & cmask[None, :]
@@ -66,7 +70,11 @@ def _load_rows(DY, X, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK
     dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
     rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-    return dy, x, rstd
+    if HAS_DS:
+        ds = tl.load(DS + r64 * stride_ds + cols[None, :], mask=mask, other=0.0)
+    else:
+        ds = dy
+    return dy, x, rstd, ds
 
 
 @triton.jit
@@ -97,20 +105,23 @@ def _rms_norm_bwd_kernel(
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:
-        dy_n, x_n, rstd_n = _load_rows(
-            DY, X, RSTD, row_start, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
-        )
+        dy_n, x_n, rstd_n, ds_n = _load_rows(
+            DY, X, RSTD, DS, row_start, row_end, cols, cmask, stride_dy, stride_x, stride_ds,
+            BLOCK_M, HAS_DS,
+        )  # fmt: skip
     for r0 in range(row_start, row_end, BLOCK_M):
         if PREFETCH:
             # Issue the next block's loads before this block's math: one HBM latency hidden.
-            dy, x, rstd = dy_n, x_n, rstd_n
-            dy_n, x_n, rstd_n = _load_rows(
-                DY, X, RSTD, r0 + BLOCK_M, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
-            )
+            dy, x, rstd, ds = dy_n, x_n, rstd_n, ds_n
+            dy_n, x_n, rstd_n, ds_n = _load_rows(
+                DY, X, RSTD, DS, r0 + BLOCK_M, row_end, cols, cmask, stride_dy, stride_x,
+                stride_ds, BLOCK_M, HAS_DS,
+            )  # fmt: skip
         else:
-            dy, x, rstd = _load_rows(
-                DY, X, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
-            )
+            dy, x, rstd, ds = _load_rows(
+                DY, X, RSTD, DS, r0, row_end, cols, cmask, stride_dy, stride_x, stride_ds,
+                BLOCK_M, HAS_DS,
+            )  # fmt: skip
         rows = r0 + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & cmask[None, :]
         dy = dy.to(tl.float32)
@@ -122,10 +133,9 @@ def _rms_norm_bwd_kernel(
         g = dy * w[None, :]
         c = tl.sum(g * xhat, axis=1) / N
         dx = (g - xhat * c[:, None]) * rstd[:, None]
-        r64 = rows.to(tl.int64)[:, None]
         if HAS_DS:
-            dx += tl.load(DS + r64 * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dx_ptr = DX + r64 * stride_dx + cols[None, :]
+            dx += ds.to(tl.float32)
+        dx_ptr = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
         tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if GEMMA or FROM_Y:
