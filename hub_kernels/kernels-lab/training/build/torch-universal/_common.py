@@ -62,6 +62,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host-side grid sizes. Plain Python: ``triton.cdiv`` is a constexpr
+    function whose call unwraps its arguments, several times the cost on every launch."""
+    return -(-a // b)
+
+
 def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """View `x` as [rows, n] with unit stride along n (copies only when no such view exists)."""
     rows = x.reshape(-1, n)
@@ -90,47 +96,44 @@ def pick_config(
     favour the geometry that is best only on cached data. The first candidate is used without
     timing on the CPU interpreter and while a CUDA graph is being captured.
     """
+    choice = _CHOICES.get(key)  # first: the path every call after the first takes
+    if choice is not None:
+        return choice
     if len(candidates) == 1 or interpreting() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    choice = _CHOICES.get(key)
-    if choice is None:
-        launch(candidates[0])  # the default must work; its errors are the caller's
-        usable = [candidates[0]]
-        for cfg in candidates[
-            1:
-        ]:  # compile and warm the others; one this Triton rejects is skipped
-            try:
-                launch(cfg)
-            except Exception as exc:  # noqa: BLE001 - a compile failure only removes a candidate
-                warnings.warn(
-                    f"kernel config {cfg} skipped: {type(exc).__name__}: {exc}", stacklevel=2
-                )
-                continue
-            usable.append(cfg)
-        candidates = usable
-        flush = None
-        if cold is not None:
-            l2 = torch.cuda.get_device_properties(cold).L2_cache_size
-            flush = torch.empty(2 * l2, dtype=torch.int8, device=cold)
-        # Candidates take turns, one launch each per round, and the median round counts: a
-        # drift of the GPU's speed or one slow launch does not decide the choice.
-        events: list[list] = [[] for _ in candidates]
-        for _ in range(TUNING_ROUNDS):
-            for cfg, spans in zip(candidates, events, strict=True):
-                # Keeps the GPU busy while this launch is queued, so no host gap is timed.
-                torch.cuda._sleep(1_000_000)
-                if flush is not None:
-                    flush.zero_()
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                launch(cfg)
-                end.record()
-                spans.append((start, end))
-        torch.cuda.synchronize()
-        times = [statistics.median(s.elapsed_time(e) for s, e in spans) for spans in events]
-        choice = candidates[times.index(min(times))]
-        _CHOICES[key] = choice
+    launch(candidates[0])  # the default must work; its errors are the caller's
+    usable = [candidates[0]]
+    for cfg in candidates[1:]:  # compile and warm the others; one Triton rejects is skipped
+        try:
+            launch(cfg)
+        except Exception as exc:  # noqa: BLE001 - a compile failure only removes a candidate
+            warnings.warn(f"kernel config {cfg} skipped: {type(exc).__name__}: {exc}", stacklevel=2)
+            continue
+        usable.append(cfg)
+    candidates = usable
+    flush = None
+    if cold is not None:
+        l2 = torch.cuda.get_device_properties(cold).L2_cache_size
+        flush = torch.empty(2 * l2, dtype=torch.int8, device=cold)
+    # Candidates take turns, one launch each per round, and the median round counts: a
+    # drift of the GPU's speed or one slow launch does not decide the choice.
+    events: list[list] = [[] for _ in candidates]
+    for _ in range(TUNING_ROUNDS):
+        for cfg, spans in zip(candidates, events, strict=True):
+            # Keeps the GPU busy while this launch is queued, so no host gap is timed.
+            torch.cuda._sleep(1_000_000)
+            if flush is not None:
+                flush.zero_()
+            start, end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            start.record()
+            launch(cfg)
+            end.record()
+            spans.append((start, end))
+    torch.cuda.synchronize()
+    times = [statistics.median(s.elapsed_time(e) for s, e in spans) for spans in events]
+    choice = candidates[times.index(min(times))]
+    _CHOICES[key] = choice
     return choice

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import use_triton
+from ._common import cdiv, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -330,7 +330,7 @@ def default_config(vocab: int, device: torch.device) -> CEConfig:
             return CEConfig(chunk=block, block=block, num_warps=4, one_pass=True)
         return CEConfig(chunk=1024, block=512, num_warps=4)
     block = min(_next_pow2(vocab), 2048)
-    chunk = min(triton.cdiv(vocab, block) * block, 8192)
+    chunk = min(cdiv(vocab, block) * block, 8192)
     return CEConfig(chunk=chunk, block=block, num_warps=4, spin=True)
 
 
@@ -370,7 +370,7 @@ def ce_rows(
             softcap,
         )
     cfg = config or default_config(vocab, logits.device)
-    num_chunks = triton.cdiv(vocab, cfg.chunk)
+    num_chunks = cdiv(vocab, cfg.chunk)
     # Spin only to write a gradient, and never on the interpreter (programs run one by one).
     spin = cfg.spin and num_chunks > 1 and logits.is_cuda and grad is not None
     stats = counts = logits  # placeholders, never read when there is one chunk
@@ -465,7 +465,7 @@ def scale_rows_(grad: torch.Tensor, g: torch.Tensor) -> None:
         return
     assert grad.is_contiguous()
     block = 8192 if grad.is_cuda else 1 << 16
-    _scale_kernel[(triton.cdiv(grad.numel(), block),)](
+    _scale_kernel[(cdiv(grad.numel(), block),)](
         grad,
         grad.numel(),
         grad.numel() // grad.shape[0],

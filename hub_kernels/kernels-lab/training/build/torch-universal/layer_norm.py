@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, next_pow2, op_name, pick_config, sm_count, use_triton
+from ._common import as_rows, cdiv, next_pow2, op_name, pick_config, sm_count, use_triton
 from .rms_norm import MAX_TRITON_N, bwd_candidates, column_sum, fwd_config
 
 
@@ -139,7 +139,7 @@ def forward(x, weight, bias, eps, cfg=None):
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0:
         cfg = cfg or fwd_config(m, n)
-        _layer_norm_fwd_kernel[(triton.cdiv(m, cfg["BLOCK_M"]),)](
+        _layer_norm_fwd_kernel[(cdiv(m, cfg["BLOCK_M"]),)](
             x2, weight, bias, y, mean, rstd, m, n, x2.stride(0), y.stride(0), eps,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n),
             HAS_W=weight is not None, HAS_B=bias is not None, num_warps=cfg["num_warps"],
@@ -150,9 +150,9 @@ def forward(x, weight, bias, eps, cfg=None):
 
 def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
     m, n = x2.shape
-    programs = min(cfg["per_sm"] * sm_count(x2.device), triton.cdiv(m, cfg["BLOCK_M"]))
-    rows_per_program = triton.cdiv(m, programs)
-    programs = triton.cdiv(m, rows_per_program)
+    programs = min(cfg["per_sm"] * sm_count(x2.device), cdiv(m, cfg["BLOCK_M"]))
+    rows_per_program = cdiv(m, programs)
+    programs = cdiv(m, rows_per_program)
     dw_part = torch.empty(
         (programs, n) if compute_dw else (1, 1), dtype=torch.float32, device=x2.device
     )

@@ -15,11 +15,13 @@ its share of dW in fp32 registers; a second small kernel sums the per-program pa
 deterministic and needs no atomics.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, next_pow2, op_name, pick_config, sm_count, use_triton
+from ._common import as_rows, cdiv, next_pow2, op_name, pick_config, sm_count, use_triton
 
 # Rows wider than this do not fit one program's registers; they take the torch path.
 MAX_TRITON_N = 65536
@@ -175,7 +177,7 @@ def column_sum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(n, dtype=dtype, device=part.device)
     # Narrow column blocks: enough programs to spread the read over the SMs.
     block_n = max(16, min(256, next_pow2(n // (2 * sm_count(part.device)))))
-    _column_sum_kernel[(triton.cdiv(n, block_n),)](part, out, p, n, BLOCK_P=64, BLOCK_N=block_n)
+    _column_sum_kernel[(cdiv(n, block_n),)](part, out, p, n, BLOCK_P=64, BLOCK_N=block_n)
     return out
 
 
@@ -184,6 +186,7 @@ def fwd_config(m: int, n: int) -> dict:
     return fwd_candidates(m, n)[0]
 
 
+@functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
 def fwd_candidates(m: int, n: int) -> list[dict]:
     """Forward geometries worth timing (wide rows sit at ~90 % of copy with the first)."""
     block_n = next_pow2(n)
@@ -197,6 +200,7 @@ def fwd_candidates(m: int, n: int) -> list[dict]:
     return [cfg(4096, 8), cfg(4096, 4), cfg(8192, 8), cfg(8192, 4), cfg(2048, 4)]
 
 
+@functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
 def bwd_candidates(m: int, n: int) -> list[dict]:
     """Persistent-backward geometries worth timing for this width (the first is the default).
 
@@ -244,7 +248,7 @@ def forward(x, weight, eps, gemma, cfg=None, residual=None):
         r_arg, s_arg = (x2, y) if s is None else (r2, s)  # unused stand-ins without a residual
 
         def launch(c):
-            _rms_norm_fwd_kernel[(triton.cdiv(m, c["BLOCK_M"]),)](
+            _rms_norm_fwd_kernel[(cdiv(m, c["BLOCK_M"]),)](
                 x2, r_arg, weight, y, s_arg, rstd, m, n,
                 x2.stride(0), r_arg.stride(0), y.stride(0), s_arg.stride(0), eps,
                 BLOCK_M=c["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, RESIDUAL=s is not None,
@@ -261,9 +265,9 @@ def forward(x, weight, eps, gemma, cfg=None, residual=None):
 
 def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False, ds2=None):
     m, n = x2.shape
-    programs = min(cfg["per_sm"] * sm_count(x2.device), triton.cdiv(m, cfg["BLOCK_M"]))
-    rows_per_program = triton.cdiv(m, programs)
-    programs = triton.cdiv(m, rows_per_program)
+    programs = min(cfg["per_sm"] * sm_count(x2.device), cdiv(m, cfg["BLOCK_M"]))
+    rows_per_program = cdiv(m, programs)
+    programs = cdiv(m, rows_per_program)
     part = torch.empty(
         (programs, n) if compute_dw else (1, 1), dtype=torch.float32, device=x2.device
     )

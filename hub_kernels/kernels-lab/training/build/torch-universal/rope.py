@@ -13,13 +13,14 @@ is the same rotation with the sine negated and its halves swapped; only cos and 
 it. cos and sin get no gradient (HF never trains them).
 """
 
+import functools
 import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, interpreting, next_pow2, op_name, pick_config, use_triton
+from ._common import as_rows, cdiv, interpreting, next_pow2, op_name, pick_config, use_triton
 
 
 @triton.jit
@@ -130,6 +131,7 @@ def _halves_differ_kernel(
         tl.store(FLAG, 0)
 
 
+@functools.lru_cache(maxsize=256)  # asked on every call; shared, never mutated
 def rope_candidates(hq: int, hk: int, d: int) -> list[dict]:
     """Tokens per program and warps worth timing (the first is the default)."""
     per_token = (next_pow2(hq) + next_pow2(hk)) * next_pow2(d)
@@ -152,7 +154,7 @@ def _check_halves(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     s = as_rows(sin, d).view(_BITS[sin.element_size()])
     flag = torch.ones(1, dtype=torch.int32, device=cos.device)
     rows = 32
-    _halves_differ_kernel[(triton.cdiv(c.shape[0], rows),)](
+    _halves_differ_kernel[(cdiv(c.shape[0], rows),)](
         c, s, flag, c.shape[0], c.stride(0), s.stride(0),
         HALF=d // 2, BLOCK_D=next_pow2(d // 2), ROWS=rows,
     )  # fmt: skip
@@ -239,12 +241,12 @@ def triton_supported(q, k, cos, sin, unsqueeze_dim: int) -> bool:
         return False
     if unsqueeze_dim not in (1, 2) or not (use_triton(q) and q.device == k.device == cos.device):
         return False
-    qv, kv = _to_bhtd(q, unsqueeze_dim), _to_bhtd(k, unsqueeze_dim)
-    b, _, t, d = qv.shape
+    time_dim = 2 if unsqueeze_dim == 1 else 1  # [B, H, T, D], or [B, T, H, D]; no views made
+    b, t, d = q.shape[0], q.shape[time_dim], q.shape[3]
+    kb, kt, kd = k.shape[0], k.shape[time_dim], k.shape[3]
     return (
         d % 2 == 0
-        and kv.shape[0] == b
-        and kv.shape[2:] == (t, d)
+        and (kb, kt, kd) == (b, t, d)
         and cos.shape[0] in (1, b)
         and cos.shape[1:] == (t, d)
     )
@@ -278,7 +280,7 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
     dtypes = (q.dtype, k.dtype, cos.dtype, sin.dtype)
 
     def launch(c):
-        _rope_kernel[(triton.cdiv(n_tokens, c["BLOCK_T"]),)](
+        _rope_kernel[(cdiv(n_tokens, c["BLOCK_T"]),)](
             qv, kv, qov, kov, cos, sin, repeats if flagged else cos, n_tokens, t,
             qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
             qov.stride(0), qov.stride(1), qov.stride(2), kov.stride(0), kov.stride(1), kov.stride(2),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, flat, op_name, use_triton
+from ._common import as_rows, cdiv, flat, op_name, use_triton
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 
@@ -136,7 +136,7 @@ def glu_forward(a, b, act, cfg=None):
     numel = c.numel()
     if numel:
         cfg = cfg or elementwise_config(numel)
-        _glu_fwd_kernel[(triton.cdiv(numel, cfg["BLOCK"]),)](
+        _glu_fwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
             a2, b2, c, numel, n, a2.stride(0), b2.stride(0),
             ACT=act, CONTIG=contig, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
         )  # fmt: skip
@@ -164,7 +164,7 @@ def glu_backward(dc, a, b, act, cfg=None, out=None, product=None):
     if numel:
         cfg = cfg or elementwise_config(numel)
         dc1 = flat(dc)
-        _glu_bwd_kernel[(triton.cdiv(numel, cfg["BLOCK"]),)](
+        _glu_bwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
             dc1, a2, b2, da2, db2, dc1 if product is None else product, numel, n,
             a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0), ACT=act, CONTIG=contig,
             OUT_CONTIG=out_contig, WRITE_C=product is not None, BLOCK=cfg["BLOCK"],
@@ -221,7 +221,7 @@ def _act_forward_any(x, act):
     numel = y.numel()
     if numel:
         cfg = elementwise_config(numel)
-        _act_fwd_kernel[(triton.cdiv(numel, cfg["BLOCK"]),)](
+        _act_fwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
             flat(x), y, numel, ACT=act, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"]
         )
     return y
@@ -234,7 +234,7 @@ def _act_backward_any(dy, x, act):
     numel = dx.numel()
     if numel:
         cfg = elementwise_config(numel)
-        _act_bwd_kernel[(triton.cdiv(numel, cfg["BLOCK"]),)](
+        _act_bwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
             flat(dy), flat(x), dx, numel, ACT=act, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"]
         )
     return dx
