@@ -10,7 +10,14 @@ import pytest
 import torch
 from conftest import VARIANT, load_variant
 
-LAYERS = ["RMSNorm", "GemmaRMSNorm", "rotary_pos_emb", "SiLU", "SwiGLUMLP", "GeGLUMLP", "LayerNorm"]
+LAYERS = [
+    "RMSNorm", "MemoryEfficientRMSNorm", "GemmaRMSNorm", "FusedAddRMSNorm", "rotary_pos_emb",
+    "SiLU", "SwiGLUMLP", "GeGLUMLP", "LayerNorm",
+]  # fmt: skip
+
+
+def _add_norm_forward(self, hidden_states, residual):
+    """The forward FusedAddRMSNorm is written for (as Liger's LigerFusedAddRMSNorm's)."""
 
 
 def _replaced_forwards():
@@ -23,7 +30,9 @@ def _replaced_forwards():
     rope_fn = rope if inspect.isfunction(rope) else type(rope).forward
     return {
         "RMSNorm": [modeling_qwen3.Qwen3RMSNorm.forward, LlamaRMSNorm.forward],
+        "MemoryEfficientRMSNorm": [modeling_qwen3.Qwen3RMSNorm.forward, LlamaRMSNorm.forward],
         "GemmaRMSNorm": [GemmaRMSNorm.forward],
+        "FusedAddRMSNorm": [_add_norm_forward],
         "rotary_pos_emb": [rope_fn],
         "SiLU": [SiLUActivation.forward],
         "SwiGLUMLP": [modeling_qwen3.Qwen3MLP.forward, LlamaMLP.forward],
