@@ -137,3 +137,43 @@ def test_trainer_keeps_the_kernels_through_train(mirror, tmp_path):
     assert getattr(norm_forward, "__func__", None).__qualname__ == "RMSNorm.forward"
     assert type(model.model.norm).__name__ == "Qwen3RMSNorm"
     assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+def test_fused_add_rms_norm_binds_from_the_hub_onto_a_users_module(mirror):
+    """A model of the user's own with a (hidden_states, residual) norm declares the layer name;
+    the Hub layer then trains it like its own forward."""
+
+    @kernels.use_kernel_forward_from_hub("FusedAddRMSNorm")
+    class AddNorm(torch.nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(n) + 0.5)
+            self.variance_epsilon = 1e-6
+
+        def forward(self, hidden_states, residual):
+            s = residual + hidden_states
+            rstd = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * (s * rstd), s
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.norm = torch.nn.Linear(48, 48), AddNorm(48)
+
+        def forward(self, x):
+            y, s = self.norm(self.proj(x), x)
+            return (y * s).sum()
+
+    torch.manual_seed(0)
+    ours, ref = Block().train(), Block().train()
+    ref.load_state_dict(ours.state_dict())
+    report = kernels.apply_kernels(ours, {"FusedAddRMSNorm": f"{REPO}:FusedAddRMSNorm"})
+    assert [e.status for e in report] == ["bound"]
+    assert ours.norm.forward.__func__.__qualname__ == "FusedAddRMSNorm.forward"
+    x = torch.randn(4, 7, 48)
+    loss, loss_ref = ours(x), ref(x)
+    loss.backward()
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+    for (name, p), p_ref in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=name)
