@@ -64,39 +64,80 @@ def checkout(rev: str, into: Path) -> Path:
     return into / VARIANT
 
 
-def cases(kt) -> dict:
+class Inputs:
+    """Small tensors: the CPU allocator's cost for big ones would swamp the rest (the GPU's
+    caching allocator does not have it). Head counts and head_dim are Qwen3-0.6B's."""
+
+    def __init__(self) -> None:
+        b, t, hidden, inter, d = 2, 16, 256, 512, 128
+
+        def leaf(*shape):
+            return torch.randn(*shape).requires_grad_()
+
+        self.hidden = hidden
+        self.x, self.r, self.w = leaf(b, t, hidden), leaf(b, t, hidden), leaf(hidden)
+        self.g = torch.randn(b, t, hidden)
+        self.q = leaf(b, t, 16, d).transpose(1, 2)
+        self.k = leaf(b, t, 8, d).transpose(1, 2)
+        emb = torch.randn(b, t, d // 2).repeat(1, 1, 2)
+        self.cos, self.sin = emb.cos(), emb.sin()
+        self.gq, self.gk = torch.randn_like(self.q), torch.randn_like(self.k)
+        self.a, self.c = leaf(b * t, inter), leaf(b * t, inter)
+        self.ga = torch.randn(b * t, inter)
+
+
+def _grad(outs, leaves, grads):
+    return lambda: torch.autograd.grad(outs(), leaves, grads)
+
+
+def our_cases(kt, i: Inputs) -> dict:
     """name -> a zero-argument call of one op, forward (under no_grad) or forward + backward."""
-    # Small tensors: the CPU allocator's cost for big ones would swamp the rest (the GPU's
-    # caching allocator does not have it). Head counts and head_dim are Qwen3-0.6B's; the RoPE
-    # halves check is on at any size, as it is at the anchor's.
-    sys.modules[kt.__name__ + ".rope"].MIN_CHECKED_ELEMENTS = 0
-    b, t, hidden, inter, d = 2, 16, 256, 512, 128
-
-    def leaf(*shape):
-        return torch.randn(*shape).requires_grad_()
-
-    x, r, w = leaf(b, t, hidden), leaf(b, t, hidden), leaf(hidden)
-    g = torch.randn(b, t, hidden)
-    q = leaf(b, t, 16, d).transpose(1, 2)
-    k = leaf(b, t, 8, d).transpose(1, 2)
-    emb = torch.randn(b, t, d // 2).repeat(1, 1, 2)
-    cos, sin = emb.cos(), emb.sin()
-    gq, gk = torch.randn_like(q), torch.randn_like(k)
-    a, c, ga = leaf(b * t, inter), leaf(b * t, inter), torch.randn(b * t, inter)
-
-    def grad(outs, leaves, grads):
-        return lambda: torch.autograd.grad(outs(), leaves, grads)
-
-    return {
-        "autograd add (yardstick)": grad(lambda: (x + r,), (x, r), (g,)),
+    sys.modules[kt.__name__ + ".rope"].MIN_CHECKED_ELEMENTS = 0  # as at the anchor's size
+    x, r, w, g = i.x, i.r, i.w, i.g
+    cases = {
+        "autograd add (yardstick)": _grad(lambda: (x + r,), (x, r), (g,)),
         "rms_norm fwd": lambda: kt.rms_norm(x.detach(), w.detach(), 1e-6),
-        "rms_norm fwd+bwd": grad(lambda: (kt.rms_norm(x, w, 1e-6),), (x, w), (g,)),
-        "rms_norm save_output fwd+bwd": grad(
+        "rms_norm fwd+bwd": _grad(lambda: (kt.rms_norm(x, w, 1e-6),), (x, w), (g,)),
+        "rms_norm save_output fwd+bwd": _grad(
             lambda: (kt.rms_norm(x, w, 1e-6, save_output=True),), (x, w), (g,)
         ),
-        "layer_norm fwd+bwd": grad(lambda: (kt.layer_norm(x, w, w, 1e-5),), (x, w), (g,)),
-        "rope fwd+bwd": grad(lambda: kt.apply_rotary_pos_emb(q, k, cos, sin), (q, k), (gq, gk)),
-        "silu_mul fwd+bwd": grad(lambda: (kt.silu_mul(a, c),), (a, c), (ga,)),
+        "layer_norm fwd+bwd": _grad(lambda: (kt.layer_norm(x, w, w, 1e-5),), (x, w), (g,)),
+        "rope fwd+bwd": _grad(
+            lambda: kt.apply_rotary_pos_emb(i.q, i.k, i.cos, i.sin), (i.q, i.k), (i.gq, i.gk)
+        ),
+        "silu_mul fwd+bwd": _grad(lambda: (kt.silu_mul(i.a, i.c),), (i.a, i.c), (i.ga,)),
+    }
+    if hasattr(kt, "fused_add_rms_norm"):
+        cases["fused add + rms_norm fwd+bwd"] = _grad(
+            lambda: kt.fused_add_rms_norm(x, r, w, 1e-6), (x, r, w), (g, g)
+        )
+    return cases
+
+
+def liger_cases(i: Inputs) -> dict:
+    """The same calls through Liger's layers and functions, where it has the op."""
+    import liger_kernel.transformers as lt
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    x, r, g = i.x, i.r, i.g
+    norm, ln = lt.LigerRMSNorm(i.hidden, eps=1e-6), lt.LigerLayerNorm(i.hidden)
+    add_norm = LigerFusedAddRMSNorm(i.hidden, eps=1e-6)
+    return {
+        "autograd add (yardstick)": _grad(lambda: (x + r,), (x, r), (g,)),
+        "rms_norm fwd": lambda: norm(x.detach()),
+        "rms_norm fwd+bwd": _grad(lambda: (norm(x),), (x, norm.weight), (g,)),
+        "layer_norm fwd+bwd": _grad(lambda: (ln(x),), (x, ln.weight), (g,)),
+        "rope fwd+bwd": _grad(
+            lambda: liger_rotary_pos_emb(i.q, i.k, i.cos, i.sin), (i.q, i.k), (i.gq, i.gk)
+        ),
+        "silu_mul fwd+bwd": _grad(
+            lambda: (LigerSiLUMulFunction.apply(i.a, i.c),), (i.a, i.c), (i.ga,)
+        ),
+        "fused add + rms_norm fwd+bwd": _grad(
+            lambda: add_norm(x, r), (x, r, add_norm.weight), (g, g)
+        ),
     }
 
 
@@ -129,17 +170,24 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
 
+    inputs = Inputs()
     with tempfile.TemporaryDirectory() as tmp:
-        base = load(checkout(args.baseline, Path(tmp)), "_host_probe_baseline")
-        here = load(ROOT / VARIANT, "_host_probe_current")
-        impls = {"baseline": cases(base), "this tree": cases(here)}
+        impls = {
+            "baseline": our_cases(load(checkout(args.baseline, Path(tmp)), "_host_base"), inputs),
+            "this tree": our_cases(load(ROOT / VARIANT, "_host_current"), inputs),
+        }
+        try:
+            impls["Liger"] = liger_cases(inputs)
+        except ImportError as exc:
+            print(f"Liger left out: {exc}")
         names = list(impls["this tree"])
         rounds: dict[tuple[str, str], list[float]] = {}
         for name in names:
-            for fns in impls.values():
+            present = {impl: fns for impl, fns in impls.items() if name in fns}
+            for fns in present.values():
                 fns[name]()  # warm: first-call work (checks, caches) is not counted
             for _ in range(args.rounds):
-                for impl, fns in impls.items():
+                for impl, fns in present.items():
                     rounds.setdefault((impl, name), []).append(per_call_us(fns[name], args.calls))
 
     rev = subprocess.run(
@@ -154,11 +202,24 @@ def main() -> int:
           f"launches replaced by no-ops)\n{time.strftime('%Y-%m-%d')}, {_cpu_model()} "
           f"({os.cpu_count()} CPUs), Python {platform.python_version()}, torch {torch.__version__}, "
           f"triton {triton.__version__}")  # fmt: skip
-    print(f"\n| op | baseline {rev} | this tree | change |\n|---|---|---|---|")
+    liger = ""
+    if "Liger" in impls:
+        import importlib.metadata
+
+        liger = f" (liger-kernel {importlib.metadata.version('liger-kernel')})"
+    print(f"\n| op | baseline {rev} | this tree | change | Liger{liger} |\n|---|---|---|---|---|")
+
+    def cell(impl: str, name: str) -> str:
+        times = rounds.get((impl, name))
+        return f"{min(times):.1f}" if times else "—"
+
     for name in names:
-        b = min(rounds[("baseline", name)])
-        h = min(rounds[("this tree", name)])
-        print(f"| {name} | {b:.1f} | {h:.1f} | {(h - b) / b * 100:+.0f} % |")
+        change = "—"
+        if ("baseline", name) in rounds:
+            b, h = min(rounds[("baseline", name)]), min(rounds[("this tree", name)])
+            change = f"{(h - b) / b * 100:+.0f} %"
+        print(f"| {name} | {cell('baseline', name)} | {cell('this tree', name)} | {change} "
+              f"| {cell('Liger', name)} |")  # fmt: skip
     return 0
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, interpreting, next_pow2, op_name, pick_config, use_triton
+from ._common import as_rows, cdiv, next_pow2, op_name, pick_config, use_triton
 
 
 @triton.jit
@@ -275,21 +275,24 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
         repeats = halves_repeat(cos, sin)
     cos, sin = _unit_last(cos), _unit_last(sin)
     flagged = isinstance(repeats, torch.Tensor)
-    cos, sin = cos.expand(b, t, d), sin.expand(b, t, d)
-
-    dtypes = (q.dtype, k.dtype, cos.dtype, sin.dtype)
+    # Strides read once per call (host work counts: the training step is host-bound). A cos/sin
+    # batch of 1 is broadcast with a zero batch stride.
+    sq, sk, sqo, sko, sc, ss = (x.stride() for x in (qv, kv, qov, kov, cos, sin))
+    sc_b = sc[0] if cos.shape[0] == b else 0
+    ss_b = ss[0] if sin.shape[0] == b else 0
+    # On the CPU the Triton path runs only in the interpreter, which keeps bfloat16 as integers.
+    upcast = not q.is_cuda and torch.bfloat16 in (q.dtype, k.dtype, cos.dtype, sin.dtype)
 
     def launch(c):
         _rope_kernel[(cdiv(n_tokens, c["BLOCK_T"]),)](
             qv, kv, qov, kov, cos, sin, repeats if flagged else cos, n_tokens, t,
-            qv.stride(0), qv.stride(1), qv.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
-            qov.stride(0), qov.stride(1), qov.stride(2), kov.stride(0), kov.stride(1), kov.stride(2),
-            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+            sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
+            sc_b, sc[1], ss_b, ss[1],
             HQ=hq, HK=hk, HALF=half,
             BLOCK_HQ=next_pow2(max(hq, 1)), BLOCK_HK=next_pow2(max(hk, 1)), BLOCK_D=next_pow2(half),
             BLOCK_T=c["BLOCK_T"], BACKWARD=backward, EVEN_T=n_tokens % c["BLOCK_T"] == 0,
-            REPEATED=repeats is True, FLAGGED=flagged, UPCAST=interpreting() and torch.bfloat16 in dtypes,
-            num_warps=c["num_warps"],
+            REPEATED=repeats is True, FLAGGED=flagged, UPCAST=upcast, num_warps=c["num_warps"],
         )  # fmt: skip
 
     if cfg is None:
