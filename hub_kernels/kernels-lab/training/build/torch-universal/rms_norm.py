@@ -238,19 +238,20 @@ def forward(x, weight, eps, gemma, cfg=None, residual=None):
     n = x.shape[-1]
     x2 = as_rows(x, n)
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype(x, weight, gemma), device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make per call.
+    y = torch.empty(x.shape, dtype=out_dtype(x, weight, gemma), device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     r2 = s = None
     if residual is not None:
         r2 = as_rows(residual, n)
-        s = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if m > 0:
         r_arg, s_arg = (x2, y) if s is None else (r2, s)  # unused stand-ins without a residual
 
         def launch(c):
             _rms_norm_fwd_kernel[(cdiv(m, c["BLOCK_M"]),)](
                 x2, r_arg, weight, y, s_arg, rstd, m, n,
-                x2.stride(0), r_arg.stride(0), y.stride(0), s_arg.stride(0), eps,
+                x2.stride(0), r_arg.stride(0), n, n, eps,
                 BLOCK_M=c["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, RESIDUAL=s is not None,
                 num_warps=c["num_warps"],
             )  # fmt: skip
@@ -260,10 +261,11 @@ def forward(x, weight, eps, gemma, cfg=None, residual=None):
                    s is not None)  # fmt: skip
             cfg = pick_config(key, fwd_candidates(m, n), launch)
         launch(cfg)
-    return y.view(x.shape), rstd.view(x.shape[:-1]), (None if s is None else s.view(x.shape))
+    return y, rstd, s
 
 
 def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False, ds2=None):
+    """One backward launch; dx and rstd are contiguous (dx's rows n apart)."""
     m, n = x2.shape
     programs = min(cfg["per_sm"] * sm_count(x2.device), cdiv(m, cfg["BLOCK_M"]))
     rows_per_program = cdiv(m, programs)
@@ -274,7 +276,7 @@ def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False,
     ds_arg = dy2 if ds2 is None else ds2  # an unused stand-in without a residual gradient
     _rms_norm_bwd_kernel[(programs,)](
         dy2, x2, weight, rstd, dx, part, ds_arg, m, n,
-        dy2.stride(0), x2.stride(0), dx.stride(0), ds_arg.stride(0), rows_per_program,
+        dy2.stride(0), x2.stride(0), n, ds_arg.stride(0), rows_per_program,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, COMPUTE_DW=compute_dw,
         PREFETCH=cfg["PREFETCH"], ACC_2D=cfg["ACC_2D"], FROM_Y=from_y, HAS_DS=ds2 is not None,
         num_warps=cfg["num_warps"],
@@ -283,7 +285,8 @@ def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False,
 
 
 def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_dtype=None, ds=None):
-    """Triton backward: returns (dx, dW like weight or an empty tensor).
+    """Triton backward: returns (dx, dW like weight or an empty tensor); `rstd` as forward
+    returned it (contiguous).
 
     With ``from_y`` the tensor passed as `x` is the forward's output y, and dx takes `x_dtype`.
     With `ds` (the gradient reaching the residual sum s of the fused add) `x` is s and dx is the
@@ -294,11 +297,10 @@ def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_d
     dy2 = as_rows(dy, n)
     ds2 = None if ds is None else as_rows(ds, n)
     m = x2.shape[0]
-    dx = torch.empty((m, n), dtype=x_dtype or x.dtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=x_dtype or x.dtype, device=x.device)
     if m == 0:
         dw = torch.zeros_like(weight) if compute_dw else weight.new_empty(0)
-        return dx.view(x.shape), dw
-    rstd = rstd.reshape(-1)
+        return dx, dw
 
     def launch(c):
         return _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, c, from_y, ds2)
@@ -309,7 +311,7 @@ def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_d
         cfg = pick_config(key, bwd_candidates(m, n), launch)
     part = launch(cfg)
     dw = column_sum(part, weight.dtype) if compute_dw else weight.new_empty(0)
-    return dx.view(x.shape), dw
+    return dx, dw
 
 
 def _torch_forward(x, weight, eps, gemma):
