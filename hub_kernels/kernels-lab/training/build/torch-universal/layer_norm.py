@@ -134,21 +134,22 @@ def forward(x, weight, bias, eps, cfg=None):
     n = x.shape[-1]
     x2 = as_rows(x, n)
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make per call.
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if m > 0:
         cfg = cfg or fwd_config(m, n)
         _layer_norm_fwd_kernel[(cdiv(m, cfg["BLOCK_M"]),)](
-            x2, weight, bias, y, mean, rstd, m, n, x2.stride(0), y.stride(0), eps,
+            x2, weight, bias, y, mean, rstd, m, n, x2.stride(0), n, eps,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n),
             HAS_W=weight is not None, HAS_B=bias is not None, num_warps=cfg["num_warps"],
         )  # fmt: skip
-    shape = x.shape[:-1]
-    return y.view(x.shape), mean.view(shape), rstd.view(shape)
+    return y, mean, rstd
 
 
 def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
+    """One backward launch; dx, mean and rstd are contiguous (dx's rows n apart)."""
     m, n = x2.shape
     programs = min(cfg["per_sm"] * sm_count(x2.device), cdiv(m, cfg["BLOCK_M"]))
     rows_per_program = cdiv(m, programs)
@@ -161,7 +162,7 @@ def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
     )
     _layer_norm_bwd_kernel[(programs,)](
         dy2, x2, weight, mean, rstd, dx, dw_part, db_part, m, n,
-        dy2.stride(0), x2.stride(0), dx.stride(0), rows_per_program,
+        dy2.stride(0), x2.stride(0), n, rows_per_program,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), HAS_W=weight is not None,
         COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, PREFETCH=cfg["PREFETCH"],
         ACC_2D=cfg["ACC_2D"], num_warps=cfg["num_warps"],
@@ -170,15 +171,14 @@ def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
 
 
 def backward(dy, x, weight, mean, rstd, compute_dw, compute_db, cfg=None):
-    """Triton backward: (dx, dW or empty, dB or empty)."""
+    """Triton backward: (dx, dW or empty, dB or empty); mean and rstd as forward returned them."""
     n = x.shape[-1]
     x2, dy2 = as_rows(x, n), as_rows(dy, n)
     m = x2.shape[0]
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if m == 0:
         dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
-        return dx.view(x.shape), dw, x.new_zeros(n) if compute_db else x.new_empty(0)
-    mean, rstd = mean.reshape(-1), rstd.reshape(-1)
+        return dx, dw, x.new_zeros(n) if compute_db else x.new_empty(0)
     if cfg is None:
         key = ("ln_bwd", m.bit_length(), n, x.dtype, dy.dtype, x.device, weight is not None,
                compute_dw, compute_db)  # fmt: skip
@@ -190,7 +190,7 @@ def backward(dy, x, weight, mean, rstd, compute_dw, compute_db, cfg=None):
     dw_part, db_part = _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg)
     # Distinct empty tensors: a custom op's outputs may not alias each other.
     dw = column_sum(dw_part, weight.dtype) if compute_dw else x.new_empty(0)
-    return dx.view(x.shape), dw, column_sum(db_part, dy.dtype) if compute_db else x.new_empty(0)
+    return dx, dw, column_sum(db_part, dy.dtype) if compute_db else x.new_empty(0)
 
 
 def _torch_backward(dy, x, weight, mean, rstd, compute_dw, compute_db):
