@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import io
 import os
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors take Triton paths
 
 import torch  # noqa: E402
+from bench_harness import load_training_kernels  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,16 +42,6 @@ def _no_launch(self, grid):
 
 
 InterpretedFunction.__getitem__ = _no_launch  # every kernel[grid](...) does nothing
-
-
-def load(folder: Path, name: str):
-    spec = importlib.util.spec_from_file_location(
-        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def checkout(rev: str, into: Path) -> Path:
@@ -173,8 +163,10 @@ def main() -> int:
     inputs = Inputs()
     with tempfile.TemporaryDirectory() as tmp:
         impls = {
-            "baseline": our_cases(load(checkout(args.baseline, Path(tmp)), "_host_base"), inputs),
-            "this tree": our_cases(load(ROOT / VARIANT, "_host_current"), inputs),
+            "baseline": our_cases(
+                load_training_kernels(checkout(args.baseline, Path(tmp))), inputs
+            ),
+            "this tree": our_cases(load_training_kernels(ROOT / VARIANT), inputs),
         }
         try:
             impls["Liger"] = liger_cases(inputs)

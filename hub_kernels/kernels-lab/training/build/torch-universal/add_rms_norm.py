@@ -16,7 +16,15 @@ from typing import Optional
 import torch
 
 from ._common import op_name
-from .rms_norm import _torch_backward, _torch_forward, backward, forward, rms_norm, use_triton_rows
+from .rms_norm import (
+    _torch_backward,
+    _torch_forward,
+    backward,
+    forward,
+    out_dtype,
+    rms_norm,
+    use_triton_rows,
+)
 
 
 def _forward_any(x, residual, weight, eps, gemma):
@@ -48,7 +56,7 @@ def add_rms_norm_fwd(
 
 @add_rms_norm_fwd.register_fake
 def _(x, residual, weight, eps, gemma):
-    y = x.new_empty(x.shape, dtype=x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype))
+    y = x.new_empty(x.shape, dtype=out_dtype(x, weight, gemma))
     return (
         y,
         torch.empty_like(x, memory_format=torch.contiguous_format),
@@ -75,11 +83,16 @@ def _(dy, ds, s, weight, rstd, gemma, compute_dw):
     return torch.empty_like(s), dw
 
 
+def _save(ctx, s, weight, rstd, gemma):
+    """Keep the sum (the norm's input), the weight and rstd for the backward."""
+    ctx.save_for_backward(s, weight, rstd)
+    ctx.gemma = gemma
+
+
 def _setup_context(ctx, inputs, output):
     _x, _residual, weight, _eps, gemma = inputs
     _y, s, rstd = output
-    ctx.save_for_backward(s, weight, rstd)
-    ctx.gemma = gemma
+    _save(ctx, s, weight, rstd, gemma)
 
 
 def _backward(ctx, dy, ds, _drstd):
@@ -98,8 +111,7 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, gemma):
         y, s, rstd = _forward_any(x, residual, weight, eps, gemma)
-        ctx.save_for_backward(s, weight, rstd)
-        ctx.gemma = gemma
+        _save(ctx, s, weight, rstd, gemma)
         ctx.set_materialize_grads(False)  # an unused output costs no zero-filled gradient
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             ctx.mark_non_differentiable(s)  # as torch's add of two tensors without grad
