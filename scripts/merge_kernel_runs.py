@@ -1,0 +1,76 @@
+"""Merge bench_kernels.py result files into one side-by-side table and plot (no GPU needed).
+
+    python3 scripts/merge_kernel_runs.py docs/benchmarks/kernels-h200-2026-11-30/run4-bench.json \\
+        ... --plot docs/benchmarks/kernels.png
+
+Files are given oldest first: a case (op, shape) in a later file replaces that case's rows from
+earlier ones. Each op is labelled with the run it came from (the file name up to its first
+'-'). Prints the markdown table of docs/benchmarks/kernels.md.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import plot  # noqa: E402
+
+OP_ORDER = ["RMSNorm", "AddRMSNorm", "LayerNorm", "RoPE", "SwiGLU", "SiLU", "GeGLU"]
+
+
+def merge(paths: list[Path]) -> list[dict]:
+    """Rows of the latest file holding each case, ordered by OP_ORDER, then by shape as found."""
+    cases: dict[tuple[str, str], list[dict]] = {}
+    for path in paths:
+        run = path.name.split("-")[0]
+        for row in json.loads(path.read_text())["rows"]:
+            key = (row["op"], row["shape"])
+            if cases.get(key) and cases[key][0]["run"] != run:
+                cases[key] = []  # a later run replaces the case
+            cases.setdefault(key, []).append({**row, "run": run})
+
+    def rank(key: tuple[str, str]) -> int:
+        first = key[0].split()[0]
+        return OP_ORDER.index(first) if first in OP_ORDER else len(OP_ORDER)
+
+    return [r for key in sorted(cases, key=rank) for r in cases[key]]
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| op | shape | impl | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s | floor ms "
+        "| target ms | best? |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            continue
+        peers = [p for p in rows if (p["op"], p["shape"]) == (r["op"], r["shape"])]
+        best = min(p["fwd_bwd_ms"] for p in peers if "error" not in p)
+        impl = "**ours**" if r["impl"] == "ours" else r["impl"]
+        target = "" if r.get("target_ms") is None else f"{r['target_ms']:.2f}"
+        mark = "best" if r["fwd_bwd_ms"] == best else ""
+        run = r["run"].replace("run", "run ")
+        lines.append(
+            f"| {r['op']} ({run}) | {r['shape']} | {impl} | {r['fwd_ms']:.3f} "
+            f"| {r['fwd_gbps']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_gbps']:.0f} "
+            f"| {r['floor_ms']:.3f} | {target} | {mark} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path, help="bench_kernels JSON, oldest first")
+    parser.add_argument("--plot", type=Path, help="write the merged plot here")
+    args = parser.parse_args(argv)
+    rows = merge(args.results)
+    if args.plot:
+        plot(rows, args.plot)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
