@@ -8,6 +8,10 @@ Prints one table, bf16, all rows from this one run:
   1024 elements x 4 warps) against torch.compile of the eager code, timed as bench_kernels times
   it (device time, host hidden, L2 flushed; implementations take turns over 5 rounds);
 - ``kernel (profiler)``: the same calls, each GPU kernel's own duration from torch.profiler;
+- ``fwd -> bwd kernels``: the forward and backward kernels launched back to back without
+  autograd, the shipped ones against variants at Inductor's launch size, adding one by one
+  what Inductor's generated kernels do differently (int32 offsets without masks, the tanh
+  form, act(a) kept in fp32 instead of rounded to bf16 as eager rounds it);
 - ``bwd kernel``: the backward kernel alone, the shipped one against variants of it (exp2 math,
   int32 offsets without masks, eviction hints, two tiles per program, a persistent grid).
 """
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_harness import _device_ms, load_training_kernels  # noqa: E402
@@ -27,17 +32,43 @@ from bench_harness import _device_ms, load_training_kernels  # noqa: E402
 M, N, ROUNDS = 16384, 14336, 5
 _LOG2E = 1.4426950408889634
 _K, _C = 0.7978845608028654, 0.044715
+# Constants go on the right of tensors: the CPU interpreter fails on constexpr * tensor.
 # exp2 forms: sigmoid(2u) = 1 / (1 + 2^-(a (G1 + G2 a^2))); 2 du/da = D1 + D2 a^2
 G1, G2 = tl.constexpr(2 * _K * _LOG2E), tl.constexpr(2 * _K * _C * _LOG2E)
 D1, D2 = tl.constexpr(2 * _K), tl.constexpr(6 * _K * _C)
-L2E = tl.constexpr(_LOG2E)
-KC, CC = tl.constexpr(_K), tl.constexpr(_C)
+NL2E = tl.constexpr(-_LOG2E)
+KC, CC, K2 = tl.constexpr(_K), tl.constexpr(_C), tl.constexpr(2 * _K)
+
+
+@triton.jit
+def _variant_fwd(
+    A, B, C, numel, ACT: tl.constexpr, NOMASK: tl.constexpr, TANH: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """act(a) * b as the shipped forward computes it, with the same knobs as the backward."""
+    if NOMASK:  # int32 offsets, whole tiles only (the probe's shape divides evenly)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = None
+    else:
+        offs = tl.cast(tl.program_id(0), tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+    a = tl.load(A + offs, mask=mask).to(tl.float32)
+    b = tl.load(B + offs, mask=mask).to(tl.float32)
+    if ACT == 0:
+        h = a * tl.sigmoid(a)
+    elif TANH:
+        h = 0.5 * a * (1.0 + libdevice.tanh((a + a * a * a * CC) * KC))
+    else:
+        h = a * tl.sigmoid((a + a * a * a * CC) * K2)
+    if ROUND:
+        h = h.to(A.dtype.element_ty).to(tl.float32)
+    tl.store(C + offs, (h * b).to(C.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _tile(
     t, DC, A, B, DA, DB, numel, ACT: tl.constexpr, EXP2: tl.constexpr, NOMASK: tl.constexpr,
-    EVICT: tl.constexpr, BLOCK: tl.constexpr,
+    EVICT: tl.constexpr, TANH: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Gradients of act(a) * b over tile t, as the shipped kernel computes them."""
     if NOMASK:  # int32 offsets, whole tiles only (the probe's shape divides evenly)
@@ -56,18 +87,25 @@ def _tile(
         b = tl.load(B + offs, mask=mask).to(tl.float32)
     if ACT == 0:
         if EXP2:
-            s = 1.0 / (1.0 + tl.exp2(-L2E * a))
+            s = 1.0 / (1.0 + tl.exp2(a * NL2E))
         else:
             s = tl.sigmoid(a)
         g = s * (1.0 + a * (1.0 - s))
+    elif TANH:  # as Inductor writes gelu(tanh) and its derivative
+        a2 = a * a
+        th = libdevice.tanh((a + a2 * a * CC) * KC)
+        s = 0.5 * (1.0 + th)
+        g = s + 0.5 * a * (1.0 - th * th) * ((a2 * CC * 3.0 + 1.0) * KC)
     else:
         a2 = a * a
         if EXP2:
-            s = 1.0 / (1.0 + tl.exp2(-(a * (G1 + G2 * a2))))
+            s = 1.0 / (1.0 + tl.exp2(-(a * (a2 * G2 + G1))))
         else:
-            s = tl.sigmoid(2.0 * KC * (a + CC * a2 * a))
-        g = s * (1.0 + a * (1.0 - s) * (D1 + D2 * a2))
-    h = (a * s).to(A.dtype.element_ty).to(tl.float32)
+            s = tl.sigmoid((a + a2 * a * CC) * K2)
+        g = s * (1.0 + a * (1.0 - s) * (a2 * D2 + D1))
+    h = a * s
+    if ROUND:  # act(a) rounded to the input dtype before the product, as eager computes it
+        h = h.to(A.dtype.element_ty).to(tl.float32)
     db = (dc * h).to(DB.dtype.element_ty)
     da = (dc * b * g).to(DA.dtype.element_ty)
     if EVICT:
@@ -81,17 +119,18 @@ def _tile(
 @triton.jit
 def _variant_bwd(
     DC, A, B, DA, DB, numel, ACT: tl.constexpr, EXP2: tl.constexpr, NOMASK: tl.constexpr,
-    EVICT: tl.constexpr, TILES: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK: tl.constexpr,
+    EVICT: tl.constexpr, TANH: tl.constexpr, ROUND: tl.constexpr, TILES: tl.constexpr,
+    PERSISTENT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The shipped backward with one knob per variant: TILES tiles per program, or a grid
     that strides over all tiles."""
     if PERSISTENT:
         for t in tl.range(tl.program_id(0), tl.cdiv(numel, BLOCK), tl.num_programs(0)):
-            _tile(t, DC, A, B, DA, DB, numel, ACT, EXP2, NOMASK, EVICT, BLOCK)
+            _tile(t, DC, A, B, DA, DB, numel, ACT, EXP2, NOMASK, EVICT, TANH, ROUND, BLOCK)
     else:
         for i in tl.static_range(TILES):
             t = tl.program_id(0) * TILES + i
-            _tile(t, DC, A, B, DA, DB, numel, ACT, EXP2, NOMASK, EVICT, BLOCK)
+            _tile(t, DC, A, B, DA, DB, numel, ACT, EXP2, NOMASK, EVICT, TANH, ROUND, BLOCK)
 
 
 VARIANTS = {  # name: (knobs, BLOCK, num_warps, programs per SM for a persistent grid)
@@ -102,6 +141,33 @@ VARIANTS = {  # name: (knobs, BLOCK, num_warps, programs per SM for a persistent
     "persistent, 4 programs/SM": ({"PERSISTENT": True}, 2048, 8, 4),
     "1024 x 4 warps": ({}, 1024, 4, 0),
 }
+
+
+BWD_DEFAULTS = {
+    "EXP2": False, "NOMASK": False, "EVICT": False, "TANH": False, "ROUND": True, "TILES": 1,
+    "PERSISTENT": False,
+}  # fmt: skip
+PAIRS = {  # fwd -> bwd kernel pairs at 1024 elements x 4 warps (Inductor's launch here)
+    "variant kernels, 1024 x 4 warps": {},
+    "+ int32 offsets, no mask": {"NOMASK": True},
+    "+ tanh form (GeGLU)": {"NOMASK": True, "TANH": True},
+    "+ act(a) not rounded to bf16 (Inductor's numerics)": {
+        "NOMASK": True, "TANH": True, "ROUND": False,
+    },
+}  # fmt: skip
+
+
+def _pair(act, knobs: dict, a, b, c, dc, da, db):
+    """Launch the variant forward, then the variant backward, as one timed call."""
+    grid = (triton.cdiv(a.numel(), 1024),)
+    fwd = {k: knobs.get(k, BWD_DEFAULTS[k]) for k in ("NOMASK", "TANH", "ROUND")}
+    bwd = {**BWD_DEFAULTS, **knobs}
+
+    def run():
+        _variant_fwd[grid](a, b, c, a.numel(), ACT=act, BLOCK=1024, num_warps=4, **fwd)
+        _variant_bwd[grid](dc, a, b, da, db, a.numel(), ACT=act, BLOCK=1024, num_warps=4, **bwd)
+
+    return run
 
 
 def _with_config(glu, config: dict, fn):
@@ -169,8 +235,7 @@ def main() -> int:
             grid = (
                 (sms * per_sm,) if per_sm else (triton.cdiv(numel, block * knobs.get("TILES", 1)),)
             )
-            args = {"EXP2": False, "NOMASK": False, "EVICT": False, "TILES": 1, "PERSISTENT": False}
-            args.update(knobs)
+            args = {**BWD_DEFAULTS, **knobs}
 
             def launch(grid=grid, args=args, block=block, warps=warps, act=act):
                 _variant_bwd[grid](
@@ -181,12 +246,25 @@ def main() -> int:
             launch()
             same = torch.equal(da, ref[0]) and torch.equal(db, ref[1])
             notes[name] = "bit-equal to shipped" if same else "differs from shipped"
-        for fn in [*calls.values(), *kernels.values()]:
+        c = torch.empty_like(dc)
+        pairs = {
+            "shipped kernels (2048 x 8 warps)": lambda act=act: (
+                glu.glu_forward(a, b, act),
+                glu.glu_backward(dc, a, b, act, out=(da, db)),
+            )
+        }
+        for name, knobs in PAIRS.items():
+            if act == glu.SILU and knobs.get("TANH"):
+                continue
+            pairs[name] = _pair(act, knobs, a, b, c, dc, da, db)
+        for fn in [*calls.values(), *kernels.values(), *pairs.values()]:
             fn()
         times: dict[tuple, list[float]] = {}
         for _ in range(ROUNDS):
             for impl, fn in calls.items():
                 times.setdefault(("fwd+bwd", impl), []).append(_device_ms(fn) * 1e3)
+            for impl, fn in pairs.items():
+                times.setdefault(("fwd -> bwd kernels", impl), []).append(_device_ms(fn) * 1e3)
             for impl, fn in kernels.items():
                 times.setdefault(("bwd kernel", impl), []).append(_device_ms(fn) * 1e3)
         for (measure, impl), us in times.items():
