@@ -32,7 +32,8 @@ from bench_harness import _device_ms, load_training_kernels  # noqa: E402
 M, N, ROUNDS = 16384, 14336, 5
 _LOG2E = 1.4426950408889634
 _K, _C = 0.7978845608028654, 0.044715
-# Constants go on the right of tensors: the CPU interpreter fails on constexpr * tensor.
+# Constants go on the right of tensors: in the CPU interpreter, constexpr * tensor passed
+# straight to tl.sigmoid or tl.exp fails.
 # exp2 forms: sigmoid(2u) = 1 / (1 + 2^-(a (G1 + G2 a^2))); 2 du/da = D1 + D2 a^2
 G1, G2 = tl.constexpr(2 * _K * _LOG2E), tl.constexpr(2 * _K * _C * _LOG2E)
 D1, D2 = tl.constexpr(2 * _K), tl.constexpr(6 * _K * _C)
