@@ -165,6 +165,11 @@ def _extra_peak_mib(fwd_bwd: Callable[[], object]) -> float:
     return (peak - max(base, after)) / 2**20
 
 
+def _error(exc: Exception) -> str:
+    """A row's error cell: the exception's type and the first line of its message."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
 def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
     """Every implementation of `case`, device times as medians over `rounds` in which the
     implementations take turns, so a drift of the GPU during the case favours none of them.
@@ -177,7 +182,7 @@ def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
             fwd_bwd()  # compile / autotune first
             live.append((row, fwd, fwd_bwd))
         except Exception as exc:  # a peer that cannot run this case is reported, not fatal
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            row["error"] = _error(exc)
         rows.append(row)
     times: dict[int, dict[str, list[float]]] = {id(r): {"fwd": [], "fwd_bwd": []} for r, *_ in live}
     for _ in range(rounds):
@@ -186,7 +191,7 @@ def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
                 times[id(row)]["fwd"].append(_device_ms(fwd))
                 times[id(row)]["fwd_bwd"].append(_device_ms(fwd_bwd))
             except Exception as exc:  # noqa: BLE001 - reported in the row like a failed make()
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                row["error"] = _error(exc)
                 live.remove((row, fwd, fwd_bwd))
     for row, _fwd, fwd_bwd in live:
         try:
@@ -202,7 +207,7 @@ def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
             if case.flops_fwd_bwd:
                 row["tflops"] = case.flops_fwd_bwd / row["fwd_bwd_ms"] / 1e9
         except Exception as exc:  # noqa: BLE001
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            row["error"] = _error(exc)
     live.clear()
     fwd = _fwd = fwd_bwd = None  # the loop names would keep the last closures alive
     gc.collect()
@@ -218,10 +223,18 @@ def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict], ceil: Ceilings) -> str:
-    def fmt(v, spec):
-        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+def fmt(v, spec: str) -> str:
+    """A table cell: `v` formatted, or empty where the row has no such value."""
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
+
+def rate_cell(row: dict) -> str:
+    """fwd+bwd TFLOP/s for matmul-bound cases, else GB/s."""
+    rate = row.get("tflops")
+    return f"{rate:.0f} TF/s" if rate else fmt(row.get("fwd_bwd_gbps"), ".0f")
+
+
+def format_table(rows: list[dict], ceil: Ceilings) -> str:
     head = "| op | shape | impl | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s or TFLOP/s | fwd+bwd wall ms | extra MiB | floor ms | target ms | best? |"
     lines = [
         f"Ceilings measured in this run: copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s. "
@@ -240,11 +253,9 @@ def format_table(rows: list[dict], ceil: Ceilings) -> str:
             if "error" in r:
                 lines.append(f"| {op} | {shape} | {r['impl']} | error: {r['error']} |||||||||")
                 continue
-            rate = r.get("tflops")
-            rate_s = f"{rate:.0f} TF/s" if rate else fmt(r.get("fwd_bwd_gbps"), ".0f")
             lines.append(
                 f"| {op} | {shape} | {r['impl']} | {r['fwd_ms']:.3f} | {fmt(r.get('fwd_gbps'), '.0f')} "
-                f"| {r['fwd_bwd_ms']:.3f} | {rate_s} | {fmt(r.get('fwd_bwd_wall_ms'), '.3f')} "
+                f"| {r['fwd_bwd_ms']:.3f} | {rate_cell(r)} | {fmt(r.get('fwd_bwd_wall_ms'), '.3f')} "
                 f"| {r['extra_mib']:.0f} | {fmt(r['floor_ms'], '.3f')} "
                 f"| {fmt(r['target_ms'], '.2f')} | {'best' if r['fwd_bwd_ms'] == best else ''} |"
             )

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_harness import fmt, rate_cell  # noqa: E402
 from bench_kernels import plot  # noqa: E402
 
 OP_ORDER = ["RMSNorm", "AddRMSNorm", "LayerNorm", "RoPE", "SwiGLU", "SiLU", "GeGLU"]
@@ -21,20 +22,20 @@ OP_ORDER = ["RMSNorm", "AddRMSNorm", "LayerNorm", "RoPE", "SwiGLU", "SiLU", "GeG
 
 def merge(paths: list[Path]) -> list[dict]:
     """Rows of the latest file holding each case, ordered by OP_ORDER, then by shape as found."""
-    cases: dict[tuple[str, str], list[dict]] = {}
-    for path in paths:
+    cases: dict[tuple[str, str], tuple[int, list[dict]]] = {}  # case -> (file index, rows)
+    for i, path in enumerate(paths):
         run = path.name.split("-")[0]
         for row in json.loads(path.read_text())["rows"]:
             key = (row["op"], row["shape"])
-            if cases.get(key) and cases[key][0]["run"] != run:
-                cases[key] = []  # a later run replaces the case
-            cases.setdefault(key, []).append({**row, "run": run})
+            if key not in cases or cases[key][0] != i:
+                cases[key] = (i, [])  # a later file replaces the case
+            cases[key][1].append({**row, "run": run})
 
     def rank(key: tuple[str, str]) -> int:
         first = key[0].split()[0]
         return OP_ORDER.index(first) if first in OP_ORDER else len(OP_ORDER)
 
-    return [r for key in sorted(cases, key=rank) for r in cases[key]]
+    return [r for key in sorted(cases, key=rank) for r in cases[key][1]]
 
 
 def table(rows: list[dict]) -> str:
@@ -43,20 +44,21 @@ def table(rows: list[dict]) -> str:
         "| target ms | best? |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    by_case: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        if "error" in r:
-            continue
-        peers = [p for p in rows if (p["op"], p["shape"]) == (r["op"], r["shape"])]
-        best = min(p["fwd_bwd_ms"] for p in peers if "error" not in p)
-        impl = "**ours**" if r["impl"] == "ours" else r["impl"]
-        target = "" if r.get("target_ms") is None else f"{r['target_ms']:.2f}"
-        mark = "best" if r["fwd_bwd_ms"] == best else ""
-        run = r["run"].replace("run", "run ")
-        lines.append(
-            f"| {r['op']} ({run}) | {r['shape']} | {impl} | {r['fwd_ms']:.3f} "
-            f"| {r['fwd_gbps']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_gbps']:.0f} "
-            f"| {r['floor_ms']:.3f} | {target} | {mark} |"
-        )
+        if "error" not in r:
+            by_case.setdefault((r["op"], r["shape"]), []).append(r)
+    for (op, shape), group in by_case.items():
+        best = min(r["fwd_bwd_ms"] for r in group)
+        for r in group:
+            impl = "**ours**" if r["impl"] == "ours" else r["impl"]
+            mark = "best" if r["fwd_bwd_ms"] == best else ""
+            run = r["run"].replace("run", "run ")
+            lines.append(
+                f"| {op} ({run}) | {shape} | {impl} | {r['fwd_ms']:.3f} "
+                f"| {fmt(r.get('fwd_gbps'), '.0f')} | {r['fwd_bwd_ms']:.3f} | {rate_cell(r)} "
+                f"| {fmt(r.get('floor_ms'), '.3f')} | {fmt(r.get('target_ms'), '.2f')} | {mark} |"
+            )
     return "\n".join(lines)
 
 

@@ -49,7 +49,10 @@ def sass(upcast: bool, repeated: bool) -> list[str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        text = subprocess.run([str(NVDISASM), "-c", f.name], capture_output=True, text=True).stdout
+        run = subprocess.run(
+            [str(NVDISASM), "-c", f.name], capture_output=True, text=True, check=True
+        )
+        text = run.stdout
     return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, re.M)
 
 

@@ -193,16 +193,19 @@ def alternate(shapes, rounds: int = 5) -> None:
     """fwd+bwd exactly as bench_kernels times it, ours and Liger measured turn about."""
     import bench_cases_elementwise
 
-    print("\n### fwd+bwd as bench_kernels times it, Liger and ours in turn, 5 rounds x 30 calls\n")
+    print(
+        f"\n### fwd+bwd as bench_kernels times it, Liger and ours in turn, {rounds} rounds x 30 calls\n"
+    )
     print("| shape | Liger median (min-max) us | ours median (min-max) us |")
     print("|---|---|---|")
     for shape in shapes:
         impls = {i.name: i for i in bench_cases_elementwise.rope_case(*shape).impls}
         runs = {name: impls[name].make()[1] for name in ("liger", "ours")}
         times = {name: [] for name in runs}
+        for fwd_bwd in runs.values():
+            fwd_bwd()  # compile and tune before the first timed round
         for _ in range(rounds):
             for name, fwd_bwd in runs.items():
-                fwd_bwd()
                 times[name].append(_device_ms(fwd_bwd) * 1e3)
         cells = [f"{statistics.median(t):.1f} ({min(t):.1f}-{max(t):.1f})" for t in times.values()]
         print(f"| {shape} | {cells[0]} | {cells[1]} |", flush=True)

@@ -47,3 +47,10 @@ def test_later_run_replaces_a_case_and_keeps_the_others(tmp_path):
     assert lines[2].startswith("| RMSNorm (run 1) | x 2 | **ours** | 0.167 |")
     assert lines[3].endswith("| best |") and "liger" in lines[3]  # 0.25 beats ours' 0.27
     assert not lines[4].endswith("| best |")
+
+
+def test_a_later_file_replaces_even_under_the_same_run_label(tmp_path):
+    first = _write(tmp_path / "run3-a.json", [_row("RoPE", "q 1", "ours", 0.20)])
+    second = _write(tmp_path / "run3-b.json", [_row("RoPE", "q 1", "ours", 0.19)])
+    assert [r["fwd_bwd_ms"] for r in merge([first, second])] == [0.19]
+    assert [r["fwd_bwd_ms"] for r in merge([first, first])] == [0.20]  # no duplicate rows

@@ -29,15 +29,6 @@ def can_torch_compile(layer: type) -> bool:
     return bool(getattr(layer, "can_torch_compile", False))
 
 
-def _module_members() -> frozenset[str]:
-    # Read on every check, not cached: libraries add methods to nn.Module after import
-    # (transformers sets nn.Module.smart_apply when it first initialises a model's weights), and
-    # every layer inherits those.
-    from torch import nn
-
-    return frozenset(dir(nn.Module))
-
-
 def _describe(fn: object) -> str:
     try:
         return f"({', '.join(str(p) for p in inspect.signature(fn).parameters.values())})"
@@ -56,7 +47,10 @@ def check_layer(layer: object, replaced: type[nn.Module], *, source: object) -> 
             f"{source}: layer {layer.__name__} defines __init__; layers must be stateless",
             hint="drop __init__ and read the replaced module's attributes (self.weight, ...) in forward",
         )
-    extra = set(dir(layer)) - _module_members() - ALLOWED_MEMBERS
+    # nn.Module's members are read on every check, not cached: libraries add methods to it after
+    # import (transformers sets nn.Module.smart_apply when it first initialises a model's
+    # weights), and every layer inherits those.
+    extra = set(dir(layer)) - set(dir(nn.Module)) - ALLOWED_MEMBERS
     if extra:
         raise LayerError(
             f"{source}: layer {layer.__name__} has members besides forward, can_torch_compile and "

@@ -46,10 +46,10 @@ def check(q, k, cos, sin, qo, ko, unsqueeze_dim, dtype):
 @pytest.mark.parametrize("layout", ["transposed", "contiguous"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
-def test_forward_and_grads(kt, case, dtype, layout, checked, monkeypatch):
+def test_forward_and_grads(kt, case, dtype, layout, checked, request):
     """Also with the halves check that real shapes get: the second halves are then skipped."""
     if checked:
-        monkeypatch.setattr(sys.modules[kt.__name__ + ".rope"], "MIN_CHECKED_ELEMENTS", 0)
+        request.getfixturevalue("rope_mod")
     q, k, cos, sin = make_inputs(*case, dtype, layout)
     qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
     assert qo.stride() == q.stride() and ko.stride() == k.stride()  # laid out like eager's
@@ -141,13 +141,15 @@ def rotate_with_distinct_halves(kt, rope_mod, q, k, cos, sin):
 
 def test_checked_halves_are_cached_and_rechecked_after_a_write(kt, rope_mod):
     """The second halves are skipped only while cos/sin still repeat: a write is seen."""
-    q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
-    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
-    check(q, k, cos, sin, qo, ko, 1, torch.float32)
-    kept = rope_mod._CHECKS[(id(cos), id(sin))]
-    assert rope_mod.halves_repeat(cos, sin) is True and rope_mod._CHECKS[(id(cos), id(sin))] is kept
-    for t in (sin, cos):  # halves of one of them no longer equal, written in place
-        t[1, 3, 8:] = torch.randn(8)
+    for written in ("sin", "cos"):  # each on its own pair: a write to either is seen
+        q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
+        qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+        check(q, k, cos, sin, qo, ko, 1, torch.float32)
+        kept = rope_mod._CHECKS[(id(cos), id(sin))]
+        assert rope_mod.halves_repeat(cos, sin) is True
+        assert rope_mod._CHECKS[(id(cos), id(sin))] is kept
+        t = sin if written == "sin" else cos
+        t[1, 3, 8:] = torch.randn(8)  # its halves no longer equal, written in place
         rotate_with_distinct_halves(kt, rope_mod, q, k, cos, sin)
 
 
@@ -162,7 +164,7 @@ def test_a_kept_answer_follows_the_memory_behind_the_tensor(kt, rope_mod):
 
 def test_cos_without_a_unit_stride_is_checked_once(kt, rope_mod):
     q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
-    cos, sin = cos.transpose(1, 2).contiguous().transpose(1, 2), sin[..., :]  # cos: stride(-1) 7
+    cos = cos.transpose(1, 2).contiguous().transpose(1, 2)  # stride(-1) 7
     assert cos.stride(-1) != 1
     kt.apply_rotary_pos_emb(fresh(q), fresh(k), cos, sin)
     kept = rope_mod._CHECKS[(id(cos), id(sin))]
@@ -182,7 +184,7 @@ def test_every_halves_answer_rotates_right(rope_mod, backward):
     cases = [((cos, sin), a) for a in (True, False, None, flag, 1 - flag)]
     cases += [(distinct, a) for a in (False, None, 1 - flag)]
     for (c, s), answer in cases:
-        q64, k64 = leaf64(q.requires_grad_()), leaf64(k.requires_grad_())
+        q64, k64 = leaf64(q), leaf64(k)
         qr, kr = rope64(q64, k64, c.double(), s.double())
         if backward:  # the gradient of the rotation, for upstream gradients q and k
             qr, kr = torch.autograd.grad((qr, kr), (q64, k64), (q.double(), k.double()))
@@ -209,7 +211,7 @@ def test_halves_check_compares_bits(rope_mod, dtype):
     assert rope_mod._check_halves(zeros, torch.zeros_like(zeros)).item() == 0
 
 
-def test_checks_are_dropped_with_their_tensors_and_skipped_where_unsafe(kt, rope_mod):
+def test_checks_are_dropped_with_their_tensors_and_skipped_where_unsafe(kt, rope_mod, monkeypatch):
     q, k, cos, sin = make_inputs(1, 5, 2, 2, 16, "1", torch.float32, "transposed")
     kt.apply_rotary_pos_emb(q, k, cos, sin)
     key = (id(cos), id(sin))
@@ -219,7 +221,7 @@ def test_checks_are_dropped_with_their_tensors_and_skipped_where_unsafe(kt, rope
     with torch.inference_mode():  # no version counter to notice a later write
         cos, sin = make_inputs(1, 5, 2, 2, 16, "1", torch.float32, "transposed")[2:]
         assert rope_mod.halves_repeat(cos, sin) is None
-    rope_mod.MIN_CHECKED_ELEMENTS = cos.numel() + 1
+    monkeypatch.setattr(rope_mod, "MIN_CHECKED_ELEMENTS", cos.numel() + 1)
     assert rope_mod.halves_repeat(cos.clone(), sin.clone()) is None
 
 

@@ -16,15 +16,8 @@ from typing import Optional
 import torch
 
 from ._common import op_name
-from .rms_norm import (
-    _torch_backward,
-    _torch_forward,
-    backward,
-    forward,
-    out_dtype,
-    rms_norm,
-    use_triton_rows,
-)
+from .rms_norm import _backward_any as rms_norm_backward_any
+from .rms_norm import _torch_forward, forward, out_dtype, rms_norm, use_triton_rows
 
 
 def _forward_any(x, residual, weight, eps, gemma):
@@ -42,9 +35,7 @@ def _backward_any(dy, ds, s, weight, rstd, gemma, compute_dw):
     if dy is None:  # only s was used afterwards: the norm adds nothing
         dw = torch.zeros_like(weight) if compute_dw else weight.new_empty(0)
         return ds.to(s.dtype).contiguous(), dw
-    if use_triton_rows(s):
-        return backward(dy, s, weight, rstd, gemma, compute_dw, ds=ds)
-    return _torch_backward(dy, s, weight, rstd, gemma, compute_dw, ds=ds)
+    return rms_norm_backward_any(dy, s, weight, rstd, gemma, compute_dw, ds=ds)
 
 
 @torch.library.custom_op(op_name("add_rms_norm_fwd"), mutates_args=())

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, next_pow2, op_name, pick_config, sm_count, use_triton
-from .rms_norm import MAX_TRITON_N, bwd_candidates, column_sum, fwd_config
+from ._common import as_rows, cdiv, next_pow2, op_name, pick_config, sm_count
+from .rms_norm import bwd_candidates, column_sum, fwd_config, use_triton_rows
 
 
 @triton.jit
@@ -208,12 +208,8 @@ def _torch_backward(dy, x, weight, mean, rstd, compute_dw, compute_db):
     return dx, dw, db
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    return use_triton(x) and x.shape[-1] <= MAX_TRITON_N
-
-
 def _forward_any(x, weight, bias, eps):
-    if _use_triton(x):
+    if use_triton_rows(x):
         return forward(x, weight, bias, eps)
     xf = x.float()
     mean = xf.mean(-1)
@@ -222,7 +218,7 @@ def _forward_any(x, weight, bias, eps):
 
 
 def _backward_any(dy, x, weight, mean, rstd, compute_dw, compute_db):
-    if _use_triton(x):
+    if use_triton_rows(x):
         return backward(dy, x, weight, mean, rstd, compute_dw, compute_db)
     return _torch_backward(dy, x, weight, mean, rstd, compute_dw, compute_db)
 

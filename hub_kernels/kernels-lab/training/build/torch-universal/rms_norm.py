@@ -186,13 +186,18 @@ def fwd_config(m: int, n: int) -> dict:
     return fwd_candidates(m, n)[0]
 
 
-@functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
 def fwd_candidates(m: int, n: int) -> list[dict]:
     """Forward geometries worth timing (wide rows sit at ~90 % of copy with the first)."""
+    return _fwd_candidates(next_pow2(m), n)
+
+
+# Keyed by the row count's power of two, all the lists depend on: varying sequence lengths hit.
+@functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
+def _fwd_candidates(m_pow2: int, n: int) -> list[dict]:
     block_n = next_pow2(n)
 
     def cfg(tile, warps):
-        block_m = max(1, min(tile // block_n, next_pow2(m)))
+        block_m = max(1, min(tile // block_n, m_pow2))
         return {"BLOCK_M": block_m, "num_warps": max(1, min(warps, block_m * block_n // 256))}
 
     if block_n > 512:
@@ -200,17 +205,22 @@ def fwd_candidates(m: int, n: int) -> list[dict]:
     return [cfg(4096, 8), cfg(4096, 4), cfg(8192, 8), cfg(8192, 4), cfg(2048, 4)]
 
 
-@functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
 def bwd_candidates(m: int, n: int) -> list[dict]:
     """Persistent-backward geometries worth timing for this width (the first is the default).
 
     Rows per program-iteration (tile), warps, programs per SM and register prefetch of the next
     rows; measured on an H200, the best differ between wide rows, small batches and head-dim rows.
     """
+    return _bwd_candidates(next_pow2(m), n)
+
+
+# Keyed by the row count's power of two, all the lists depend on: varying sequence lengths hit.
+@functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
+def _bwd_candidates(m_pow2: int, n: int) -> list[dict]:
     block_n = next_pow2(n)
 
     def cfg(tile, warps, per_sm, prefetch, acc_2d=False):
-        block_m = max(1, min(tile // block_n, next_pow2(m)))
+        block_m = max(1, min(tile // block_n, m_pow2))
         return {"BLOCK_M": block_m, "num_warps": warps, "per_sm": per_sm, "PREFETCH": prefetch,
                 "ACC_2D": acc_2d}  # fmt: skip
 
@@ -352,10 +362,10 @@ def _forward_any(x, weight, eps, gemma):
     return _torch_forward(x, weight, eps, gemma)
 
 
-def _backward_any(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None):
+def _backward_any(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None, ds=None):
     if use_triton_rows(x):
-        return backward(dy, x, weight, rstd, gemma, compute_dw, None, from_y, x_dtype)
-    return _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y, x_dtype)
+        return backward(dy, x, weight, rstd, gemma, compute_dw, None, from_y, x_dtype, ds)
+    return _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y, x_dtype, ds)
 
 
 @torch.library.custom_op(op_name("rms_norm_fwd"), mutates_args=())

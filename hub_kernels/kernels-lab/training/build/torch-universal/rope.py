@@ -163,10 +163,9 @@ def _check_halves(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def _state(cos: torch.Tensor, sin: torch.Tensor) -> tuple:
     """What a kept answer depends on besides identity: the version counters (in-place ops) and
-    the memory viewed (``.data =`` and ``swap_tensors`` keep the object but change it)."""
-    return tuple(
-        (t._version, t.data_ptr(), t.storage_offset(), t.shape, t.stride()) for t in (cos, sin)
-    )
+    the memory viewed (``.data =`` and ``swap_tensors`` keep the object but change it; the
+    data pointer includes the storage offset)."""
+    return tuple((t._version, t.data_ptr(), t.shape, t.stride()) for t in (cos, sin))
 
 
 class _HalvesCheck:
@@ -218,6 +217,8 @@ def halves_repeat(cos: torch.Tensor, sin: torch.Tensor) -> bool | torch.Tensor |
     """
     if cos.numel() < MIN_CHECKED_ELEMENTS or cos.is_inference() or sin.is_inference():
         return None
+    if cos.element_size() not in _BITS or sin.element_size() not in _BITS:
+        return None  # no integer view to compare bits with (1-byte floats)
     if cos.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     key = (id(cos), id(sin))
@@ -296,7 +297,8 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
         )  # fmt: skip
 
     if cfg is None:
-        answer = "flag" if flagged else repeats  # each kernel variant gets its own timing
+        # Each kernel variant gets its own timing; None and False launch the same one.
+        answer = "flag" if flagged else repeats is True
         key = ("rope", n_tokens.bit_length(), hq, hk, d, q.dtype, cos.dtype, q.device, answer)
         cfg = pick_config(key, rope_candidates(hq, hk, d), launch, cold=q.device)
     launch(cfg)
