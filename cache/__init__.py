@@ -11,10 +11,12 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fsutil import atomic_write_bytes, is_writable_dir
+from .fsutil import atomic_write_bytes, is_writable_dir, make_dirs
+from .locks import FileLock, LockTimeout
 from .manifest import FileEntry, Manifest, ManifestError, check_relpath
 from .objects import DigestMismatch, ObjectStore, ObjectWriter
 from .records import RecordStore, RepoIndex, ResolutionRecord, TrustRecord
+from .safety import Exposure, check_path, check_tree
 from .staging import Staging
 from .trees import TreeCheck, TreeStore
 
@@ -24,7 +26,10 @@ __all__ = [
     "FORMAT_VERSION",
     "Cache",
     "DigestMismatch",
+    "Exposure",
     "FileEntry",
+    "FileLock",
+    "LockTimeout",
     "Manifest",
     "ManifestError",
     "ObjectWriter",
@@ -59,26 +64,46 @@ class PruneReport:
     dry_run: bool = False
 
 
-class Cache:
-    """One cache root. Cheap to construct; folders are created on first write."""
+# Bucket folders whose writers decide what a load imports or trusts (see `exposure`).
+_GUARDED = ("objects", "aliases", "trees", "stamps", "manifests", "index", "refs", "trust", "locks")
 
-    def __init__(self, root: Path | str):
+
+class Cache:
+    """One cache root. Cheap to construct; folders are created on first write.
+
+    `endpoint` scopes resolution, trust and variant records to one server (see records.py);
+    None reads them all (tools). `lock_timeout` bounds every lock wait (None: no bound) and
+    `on_lock_wait(holder)` hears once about a wait that lasts."""
+
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        endpoint: str | None = None,
+        lock_timeout: float | None = None,
+        on_lock_wait=None,
+    ):
         self.root = Path(root)
+        self.endpoint = endpoint
+        self.lock_timeout = lock_timeout
+        self.on_lock_wait = on_lock_wait
         self.base = self.root / f"v{FORMAT_VERSION}"
         self.staging = Staging(self.base / "tmp")
         self.objects = ObjectStore(self.base / "objects", self.staging)
         self.trees = TreeStore(
             self.base / "trees", self.base / "stamps", self.staging, self.objects
         )
-        self.records = RecordStore(self.base / "refs", self.base / "trust")
-        self.index = RepoIndex(self.base / "index", self.base / "manifests")
+        self.records = RecordStore(self.base / "refs", self.base / "trust", endpoint)
+        self.index = RepoIndex(self.base / "index", self.base / "manifests", endpoint)
+        # Maintenance sees every endpoint's variants: one endpoint's prune keeps the others'.
+        self.all_index = RepoIndex(self.base / "index", self.base / "manifests")
         self.tmp = self.staging.root
         self.locks = self.base / "locks"
 
     # -- setup -----------------------------------------------------------------------------
     def ensure(self) -> None:
         """Create the layout (idempotent). Raises OSError when the root cannot be written."""
-        self.base.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.base)
         tag = self.root / "CACHEDIR.TAG"
         if not tag.exists():
             atomic_write_bytes(tag, _CACHEDIR_TAG)
@@ -90,14 +115,33 @@ class Cache:
     def writable(self) -> bool:
         return is_writable_dir(self.base) if self.base.exists() else is_writable_dir(self.root)
 
-    def lock(self, name: str, timeout: float = -1):
-        """An inter-process lock (flock: the OS frees it when its holder dies)."""
-        from filelock import FileLock
+    def exposure(self) -> Exposure | None:
+        """Who else could write this cache: the first folder (from `/` down to the root, then
+        the root and its buckets) that a user other than this one and root may write, or None.
+        A cache with an exposure proves nothing by its stamps, records or index (safety.py)."""
+        found = check_path(self.root)
+        if found is None:
+            found = check_tree([self.base, *(self.base / b for b in _GUARDED)])
+        return found
 
+    def lock(self, name: str, timeout: float | None = None) -> FileLock:
+        """The inter-process write lock `name` (flock: the OS frees it when its holder dies).
+        It holds the `gc` lock shared, so `prune` cannot run under it; its wait ends at
+        `timeout` (default: the cache's lock_timeout) with LockTimeout naming the holder."""
         from .fsutil import safe_key
 
-        self.locks.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.locks / f"{safe_key(name)}.lock"), timeout=timeout)
+        return FileLock(
+            self.locks / f"{safe_key(name)}.lock",
+            timeout=self.lock_timeout if timeout is None else timeout,
+            on_wait=self.on_lock_wait,
+            gc=FileLock(self.locks / "gc.lock", shared=True),
+        )
+
+    def gc_lock(self) -> FileLock:
+        """The lock `prune` holds: exclusive, so it waits for every write lock to be released."""
+        return FileLock(
+            self.locks / "gc.lock", timeout=self.lock_timeout, on_wait=self.on_lock_wait
+        )
 
     # -- variants ----------------------------------------------------------------------------
     def installed(self, repo: str, commit: str, variant: str) -> tuple[Manifest, Path] | None:
@@ -140,16 +184,25 @@ class Cache:
                 usage.object_bytes += self.objects.path(digest).stat().st_size
         usage.trees = sum(1 for _ in self.trees.iter_digests())
         repos = set()
-        for repo, _commit, _variant, _tree in self.index.entries():
+        for repo, _commit, _variant, _tree in self.all_index.entries():
             usage.variants += 1
             repos.add(repo)
         usage.repos = len(repos)
         return usage
 
     def prune(self, *, keep_trees: set[str] = frozenset(), dry_run: bool = False) -> PruneReport:
-        """Drop trees no index entry references (plus `keep_trees`), then unreferenced objects."""
+        """Drop trees no index entry references (plus `keep_trees`), then unreferenced objects.
+
+        Runs under the exclusive `gc` lock: a load between downloading objects and indexing
+        its variant holds a write lock (and so `gc` shared), and prune waits for it."""
+        if dry_run:
+            return self._prune(keep_trees, dry_run)
+        with self.gc_lock():
+            return self._prune(keep_trees, dry_run)
+
+    def _prune(self, keep_trees: set[str], dry_run: bool) -> PruneReport:
         report = PruneReport(dry_run=dry_run)
-        live_trees = {tree for *_rest, tree in self.index.entries()} | set(keep_trees)
+        live_trees = {tree for *_rest, tree in self.all_index.entries()} | set(keep_trees)
         for digest in list(self.trees.iter_digests()):
             if digest not in live_trees:
                 report.trees.append(digest)
@@ -173,7 +226,7 @@ class Cache:
     def verify_all(self, *, full: bool = True) -> list[tuple[str, str, str, TreeCheck]]:
         """Check every installed variant; returns (repo, commit, variant, check) for each."""
         out = []
-        for repo, commit, variant, digest in self.index.entries():
+        for repo, commit, variant, digest in self.all_index.entries():
             manifest = self.index.get_manifest(digest)
             if manifest is None:
                 out.append((repo, commit, variant, TreeCheck(ok=False, bad=("<manifest>",))))

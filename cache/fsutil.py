@@ -41,13 +41,31 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def make_dirs(path: Path) -> None:
+    """`mkdir -p` whose new folders are 0755 whatever the umask: a group-writable folder would
+    let others rewrite the cache, and the loader refuses such a cache (see safety.py)."""
+    missing = []
+    probe = Path(path)
+    while not probe.is_dir():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o755)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+
+
 def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     """Write `data` to `path` so a reader sees the old file or the new one, never a part.
 
     No fsync: a killed process can never leave a partial file (rename is atomic), and after a
     power loss a torn file is caught by verification (objects, trees) or read as absent (records).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -74,7 +92,7 @@ def read_json(path: Path) -> object | None:
 
 def is_writable_dir(path: Path) -> bool:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_dirs(path)
     except OSError:
         return False
     return os.access(path, os.W_OK | os.X_OK)

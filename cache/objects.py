@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .fsutil import atomic_write_bytes, sha256_file
+from .fsutil import atomic_write_bytes, make_dirs, sha256_file
 from .staging import Staging
 
 
@@ -110,7 +110,7 @@ class ObjectWriter:
         self._fh.close()
         os.chmod(self._tmp, 0o444)
         dest = self.store.path(digest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(dest.parent)
         if dest.exists() and dest.stat().st_size == self.size:
             # Same content already stored (another process, another repo): keep that one.
             self._tmp.unlink()

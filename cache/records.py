@@ -6,10 +6,16 @@
 - `TrustRecord`: a publisher trust decision and where it came from.
 
 Keys are opaque strings to this module; it knows nothing of what a repo or a revision means.
+
+Scoping: a store made with an `endpoint` (an opaque string: the loader passes the Hub URL)
+writes it into every resolution, trust and variant record and keeps one listing file per
+endpoint; it reads a record only when it names that endpoint, so what one server said is never
+taken as another's answer. A store made without one (tools, tests) reads every record.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,19 +43,39 @@ class TrustRecord:
     checked_at: float
 
 
+def _scoped(data: object, endpoint: str | None) -> dict | None:
+    """`data` if it is a record this endpoint may use, else None."""
+    if not isinstance(data, dict):
+        return None
+    if endpoint is not None and data.get("endpoint") != endpoint:
+        return None
+    return data
+
+
+def endpoint_key(endpoint: str) -> str:
+    """A short file-name-safe key for an endpoint string."""
+    return hashlib.sha256(endpoint.encode("utf-8")).hexdigest()[:16]
+
+
 class RecordStore:
     """refs/<repo>/<revision>.json and trust/<publisher>.json."""
 
-    def __init__(self, refs: Path, trust: Path):
+    def __init__(self, refs: Path, trust: Path, endpoint: str | None = None):
         self.refs = refs
         self.trust_dir = trust
+        self.endpoint = endpoint
+
+    def _stamp(self, data: dict) -> dict:
+        if self.endpoint is not None:
+            data["endpoint"] = self.endpoint
+        return data
 
     def _ref_path(self, repo: str, revision: str) -> Path:
         return self.refs / safe_key(repo) / f"{safe_key(revision)}.json"
 
     def get(self, repo: str, revision: str) -> ResolutionRecord | None:
-        data = read_json(self._ref_path(repo, revision))
-        if not isinstance(data, dict):
+        data = _scoped(read_json(self._ref_path(repo, revision)), self.endpoint)
+        if data is None:
             return None
         try:
             return ResolutionRecord(repo, revision, str(data["commit"]), float(data["checked_at"]))
@@ -59,7 +85,7 @@ class RecordStore:
     def put(self, record: ResolutionRecord) -> None:
         atomic_write_json(
             self._ref_path(record.repo, record.revision),
-            {"commit": record.commit, "checked_at": record.checked_at},
+            self._stamp({"commit": record.commit, "checked_at": record.checked_at}),
         )
 
     def revisions(self, repo: str) -> list[ResolutionRecord]:
@@ -78,8 +104,8 @@ class RecordStore:
         return sorted(unsafe_key(p.name) for p in self.refs.iterdir() if p.is_dir())
 
     def get_trust(self, publisher: str) -> TrustRecord | None:
-        data = read_json(self.trust_dir / f"{safe_key(publisher)}.json")
-        if not isinstance(data, dict):
+        data = _scoped(read_json(self.trust_dir / f"{safe_key(publisher)}.json"), self.endpoint)
+        if data is None:
             return None
         try:
             return TrustRecord(
@@ -91,39 +117,62 @@ class RecordStore:
     def put_trust(self, record: TrustRecord) -> None:
         data = asdict(record)
         del data["publisher"]
-        atomic_write_json(self.trust_dir / f"{safe_key(record.publisher)}.json", data)
+        atomic_write_json(self.trust_dir / f"{safe_key(record.publisher)}.json", self._stamp(data))
 
 
 class RepoIndex:
-    """index/<repo>/<commit>/{listing.json, variants/<variant>.json} and manifests/<digest>.json."""
+    """index/<repo>/<commit>/{listing[-<endpoint key>].json, variants/<variant>.json} and
+    manifests/<digest>.json. A variant record lists the endpoints whose listing it matched."""
 
-    def __init__(self, index: Path, manifests: Path):
+    def __init__(self, index: Path, manifests: Path, endpoint: str | None = None):
         self.index = index
         self.manifests = manifests
+        self.endpoint = endpoint
+
+    def _listing_name(self) -> str:
+        return (
+            "listing.json"
+            if self.endpoint is None
+            else f"listing-{endpoint_key(self.endpoint)}.json"
+        )
+
+    def _usable(self, data: object) -> bool:
+        if not isinstance(data, dict) or "tree" not in data:
+            return False
+        endpoints = data.get("endpoints")
+        return self.endpoint is None or (isinstance(endpoints, list) and self.endpoint in endpoints)
 
     def _commit_dir(self, repo: str, commit: str) -> Path:
         return self.index / safe_key(repo) / safe_key(commit)
 
     # The remote listing of a commit: {variant: [file dicts]} in whatever shape the caller uses.
     def get_listing(self, repo: str, commit: str) -> dict | None:
-        data = read_json(self._commit_dir(repo, commit) / "listing.json")
+        data = read_json(self._commit_dir(repo, commit) / self._listing_name())
         return data if isinstance(data, dict) else None
 
     def put_listing(self, repo: str, commit: str, listing: dict) -> None:
-        atomic_write_json(self._commit_dir(repo, commit) / "listing.json", listing)
+        atomic_write_json(self._commit_dir(repo, commit) / self._listing_name(), listing)
 
     # Installed variants: (repo, commit, variant) -> manifest digest.
     def get_variant(self, repo: str, commit: str, variant: str) -> Manifest | None:
         data = read_json(self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json")
-        if not isinstance(data, dict) or "tree" not in data:
+        if not self._usable(data):
             return None
         return self.get_manifest(str(data["tree"]))
 
     def put_variant(self, repo: str, commit: str, variant: str, manifest: Manifest) -> None:
+        """Record the variant's tree; another endpoint's record of the same tree is kept (each
+        endpoint vouched for the same bytes), a different tree replaces it."""
         self.put_manifest(manifest)
+        path = self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json"
+        old = read_json(path)
+        endpoints: list[str] = []
+        if isinstance(old, dict) and old.get("tree") == manifest.digest:
+            endpoints = [e for e in old.get("endpoints", []) if isinstance(e, str)]
+        if self.endpoint is not None and self.endpoint not in endpoints:
+            endpoints.append(self.endpoint)
         atomic_write_json(
-            self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json",
-            {"tree": manifest.digest, "installed_at": time.time()},
+            path, {"tree": manifest.digest, "installed_at": time.time(), "endpoints": endpoints}
         )
 
     def drop_variant(self, repo: str, commit: str, variant: str) -> None:
@@ -134,7 +183,11 @@ class RepoIndex:
         folder = self._commit_dir(repo, commit) / "variants"
         if not folder.is_dir():
             return []
-        return sorted(unsafe_key(p.name[: -len(".json")]) for p in folder.glob("*.json"))
+        return sorted(
+            unsafe_key(p.name[: -len(".json")])
+            for p in folder.glob("*.json")
+            if self._usable(read_json(p))
+        )
 
     def get_manifest(self, digest: str) -> Manifest | None:
         data = read_json(self.manifests / f"{digest}.json")
@@ -162,7 +215,7 @@ class RepoIndex:
                     continue
                 for item in sorted(vdir.glob("*.json")):
                     data = read_json(item)
-                    if isinstance(data, dict) and "tree" in data:
+                    if self._usable(data):
                         yield (
                             unsafe_key(repo_dir.name),
                             unsafe_key(commit_dir.name),

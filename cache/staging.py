@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from .fsutil import make_dirs
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; age decides
@@ -48,7 +50,7 @@ class Staging:
             return folder
 
     def _claim(self) -> tuple[Path, int]:
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root)
         while True:
             name = f"{os.getpid()}-{secrets.token_hex(6)}"
             lock = self.root / f"{name}.lock"
@@ -66,7 +68,7 @@ class Staging:
                 ours = False
             if ours:
                 folder = self.root / name
-                folder.mkdir()
+                folder.mkdir(mode=0o755)
                 return folder, fd
             os.close(fd)
 

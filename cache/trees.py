@@ -3,8 +3,11 @@
 A tree lives at `trees/<manifest digest>/` and holds exactly the manifest's files, hard-linked
 from the object store (copied where links are not possible). It is assembled in a temp folder and
 published by one atomic rename, so a tree either exists complete or not at all. Its stat stamps
-(size, mtime, inode per file) are recorded at publish time; a load compares them (cheap) and falls
-back to a full re-hash of any file whose stamp moved.
+(size, mtime, inode and ctime per file) are recorded at publish time; a load compares them (cheap)
+and falls back to a full re-hash of any file whose stamp moved. No program can set a ctime, so a
+same-size edit that restores the mtime still moves the stamp; stamps prove nothing against
+someone who can rewrite the stamp file too, which is why the loader only trusts a cache nobody
+else can write (see safety.py), and `check` reports any tree file or folder others could write.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fsutil import atomic_write_json, read_json, sha256_file
+from .fsutil import atomic_write_json, make_dirs, read_json, sha256_file
 from .manifest import Manifest
 from .objects import ObjectStore
+from .safety import exposure_of
 from .staging import Staging
 
 
@@ -32,7 +37,7 @@ class TreeCheck:
 
 
 def _stamp(st: os.stat_result) -> list[int]:
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
 
 class TreeStore:
@@ -62,14 +67,14 @@ class TreeStore:
             for entry in manifest.files:
                 src = self.objects.path(entry.sha256)
                 dst = staging / entry.path
-                dst.parent.mkdir(parents=True, exist_ok=True)
+                make_dirs(dst.parent)
                 try:
                     os.link(src, dst)
                 except OSError:
                     shutil.copyfile(src, dst)
                     os.chmod(dst, 0o444)
             stamps = {e.path: _stamp((staging / e.path).stat()) for e in manifest.files}
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.root)
             try:
                 os.rename(staging, final)
             except OSError:
@@ -91,6 +96,16 @@ class TreeStore:
         stamps = stamps if isinstance(stamps, dict) else {}
         bad: list[str] = []
         rehashed = 0
+        folders = {tree / entry.path for entry in manifest.files}
+        folders = {p for f in folders for p in f.parents if tree in p.parents or p == tree}
+        for folder in folders:
+            try:
+                if exposure_of(folder, folder.lstat()) is not None:
+                    bad.append(
+                        f"{folder.relative_to(tree).as_posix() or '.'}/ (writable by others)"
+                    )
+            except OSError:
+                pass  # a missing folder shows as missing files below
         for entry in manifest.files:
             path = tree / entry.path
             try:
@@ -98,8 +113,11 @@ class TreeStore:
             except OSError:
                 bad.append(entry.path)
                 continue
-            if not path.is_file() or path.is_symlink() or st.st_size != entry.size:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
                 bad.append(entry.path)
+                continue
+            if exposure_of(path, st) is not None:
+                bad.append(entry.path)  # others could change it between this check and import
                 continue
             if full or stamps.get(entry.path) != _stamp(st):
                 rehashed += 1

@@ -31,6 +31,7 @@ from .errors import (
     UntrustedPublisher,
 )
 from .fetch import Listing, cache_lock, get_listing, install_variant
+from .guard import open_cache
 from .importer import LoadedKernel, RepoInfo, get_loaded_kernels, import_tree
 from .importer import get_kernel_dep as get_kernel_dep
 from .metadata import Metadata
@@ -38,7 +39,7 @@ from .notices import notice_once
 from .resolve import Resolution, resolve
 from .select import check_metadata, check_native, check_python_depends, no_variant_error, reject
 from .spec import KernelSpec, make_spec
-from .trust import TrustArg, ensure_trusted
+from .trust import TrustArg, dependency_trust, ensure_trusted
 from .variants import SystemInfo, VariantAccepted, detect_system, select_variants
 
 __all__ = [
@@ -72,7 +73,7 @@ def _system(backend: str | None) -> SystemInfo:
 
 
 def _cache() -> Cache:
-    return Cache(settings.cache_root())
+    return open_cache()
 
 
 # -- the pipeline --------------------------------------------------------------------------
@@ -266,7 +267,10 @@ def _ensure_installed(
 def _deps(metadata: Metadata, backend, trust_remote_code) -> dict[str, ModuleType]:
     return {
         dep.repo_id: get_kernel(
-            dep.repo_id, version=dep.version, backend=backend, trust_remote_code=trust_remote_code
+            dep.repo_id,
+            version=dep.version,
+            backend=backend,
+            trust_remote_code=dependency_trust(trust_remote_code),
         )
         for dep in metadata.kernel_depends
     }
@@ -284,7 +288,15 @@ def _memo_key(spec: KernelSpec, backend, trust_remote_code, check_arch) -> tuple
         if isinstance(trust_remote_code, (list, tuple))
         else trust_remote_code
     )
-    return (spec.repo_id, spec.ref, backend, trust, check_arch, str(settings.cache_root()))
+    return (
+        spec.repo_id,
+        spec.ref,
+        backend,
+        trust,
+        check_arch,
+        str(settings.cache_root()),
+        settings.endpoint(),  # what one server served is not another's answer
+    )
 
 
 def _memo_get(key: tuple, pinned: bool) -> ModuleType | None:

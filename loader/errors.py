@@ -109,3 +109,16 @@ class MissingDependency(KernelsError, ImportError):
     """The kernel needs a Python package that is not installed."""
 
     hint = "pip install the package named above, then load the kernel again"
+
+
+class UnsafePermissions(KernelsError, PermissionError):
+    """A cache, config or lock file that users other than you and root can write: what it says
+    could be theirs, so it is not used (the rule ssh applies to keys; see docs/security.md)."""
+
+    hint = "run `chmod -R go-w` on the path named above, or use a folder of your own"
+
+
+class LockWaitTimeout(KernelsError, TimeoutError):
+    """Another process held a cache lock past the deadline (KERNELS_LOCK_TIMEOUT)."""
+
+    hint = "end the process named above if it is stuck, or raise KERNELS_LOCK_TIMEOUT (seconds)"

@@ -16,10 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.cache import Cache, DigestMismatch, FileEntry, Manifest, ManifestError, check_relpath
+from kernels.cache import (
+    Cache,
+    DigestMismatch,
+    FileEntry,
+    LockTimeout,
+    Manifest,
+    ManifestError,
+    check_relpath,
+)
 
 from . import hub
-from .errors import CacheError, IntegrityError, KernelsError, OfflineCacheMiss
+from .errors import CacheError, IntegrityError, KernelsError, LockWaitTimeout, OfflineCacheMiss
 from .hub import RemoteFile
 
 MAX_FILE_SIZE = 16 << 30
@@ -186,7 +194,10 @@ def cache_lock(cache: Cache, name: str):
     with _disk_errors(cache):
         cache.ensure()
         lock = cache.lock(name)
-        lock.acquire()
+        try:
+            lock.acquire()
+        except LockTimeout as exc:
+            raise LockWaitTimeout(f"{name}: {exc}") from None
     try:
         yield
     finally:

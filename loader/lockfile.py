@@ -12,6 +12,12 @@ Every variant is locked, so one lock serves every platform. The reference's 0.17
 (`[{"repo_id", "sha", "variants": {...}}]`) are read too; they carry no per-file digests.
 Dependencies come from pyproject.toml: `[tool.kernels.dependencies] "org/name" = 1` (a
 version) or `= "<revision>"`.
+
+A lock decides which code runs, so it must be the user's: a lock file (or a folder above it)
+that other users can write is refused, and discovery never walks into such a folder (a shared
+/tmp-like parent cannot plant a kernels.lock). A schema-1 entry must carry file digests: an entry
+or variant with none would verify nothing. `refs/pr/<N>` revisions need
+KERNELS_ALLOW_PR_REVISIONS=1 here as everywhere (see resolve.py).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 from . import settings
 from .errors import LockfileError
+from .resolve import check_revision_allowed
 from .spec import is_commit, make_spec, validate_repo_id
 
 SCHEMA = 1
@@ -100,6 +107,7 @@ def _requested(repo_id: str, raw: object, path: Path | None) -> Requested:
         raise _bad(path, f"{repo_id}: a dependency must be a version number or a revision string")
     try:
         spec = make_spec(repo_id, version=version, revision=revision)
+        check_revision_allowed(repo_id, spec.revision)
     except Exception as exc:
         raise _bad(path, f"{repo_id}: {getattr(exc, 'message', exc)}") from None
     return Requested(spec.version, spec.revision)
@@ -127,6 +135,14 @@ def parse_lock(text: str, path: Path | None = None) -> Lockfile:
                     str(v): {str(p): str(s) for p, s in files.items()}
                     for v, files in item.get("variants", {}).items()
                 }
+                empty = [v for v, files in variants.items() if not files]
+                if not variants or empty:
+                    what = f"variant {empty[0]}" if empty else "entry"
+                    raise LockfileError(
+                        f"{path or 'lockfile'}: {repo_id}: the {what} has no file digests, so "
+                        "there is nothing to verify the download against",
+                        hint="run `kernels lock` to write a lock with the digests of every file",
+                    )
                 entries.append(
                     LockEntry(
                         repo_id,
@@ -172,6 +188,10 @@ def parse_lock(text: str, path: Path | None = None) -> Lockfile:
 
 
 def read_lock(path: Path) -> Lockfile:
+    """Parse the lock at `path`; UnsafePermissions when other users could have written it."""
+    from .guard import refuse_exposed
+
+    refuse_exposed(path, "the lock file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -220,8 +240,12 @@ def find_lockfile(explicit: Path | str | None = None, start: Path | None = None)
     override = settings.lockfile_override()
     if override is not None:
         return override
+    from kernels.cache.safety import check_path
+
     here = Path(start or os.getcwd()).resolve()
     for folder in (here, *here.parents):
+        if check_path(folder, parents=False) is not None:
+            break  # others can write here: a kernels.lock in it (or above) may be theirs
         candidate = folder / LOCK_NAME
         if candidate.is_file():
             return candidate

@@ -3,6 +3,11 @@
 Zero requests when the commit is pinned or the cache's resolution record is younger than the TTL
 (KERNELS_RESOLVE_TTL) or we are offline; one request to re-check otherwise. When the Hub cannot
 be reached, an existing record is used, with one notice.
+
+Two refusals guard what a revision may name. `refs/pr/<N>` is a pull request: code the
+publisher has not merged, which their trust does not cover; it resolves only with
+KERNELS_ALLOW_PR_REVISIONS=1. And a commit must be 40 lowercase hex digits, whether the server
+answered it or a record holds it: anything else would be used as a path and a cache key.
 """
 
 from __future__ import annotations
@@ -12,10 +17,26 @@ from dataclasses import dataclass
 
 from kernels.cache import Cache, ResolutionRecord
 
-from . import hub
-from .errors import HubUnavailable, OfflineCacheMiss, RevisionNotFound
+from . import hub, settings
+from .errors import HubUnavailable, IntegrityError, InvalidSpec, OfflineCacheMiss, RevisionNotFound
 from .notices import notice_once
-from .spec import KernelSpec, parse_version_branch
+from .spec import KernelSpec, is_commit, parse_version_branch
+
+PR_PREFIX = "refs/pr/"
+
+
+def check_revision_allowed(repo_id: str, revision: str | None) -> None:
+    """Refuse a pull-request revision unless the user opted in (InvalidSpec)."""
+    if (
+        revision is not None
+        and revision.startswith(PR_PREFIX)
+        and not settings.allow_pr_revisions()
+    ):
+        raise InvalidSpec(
+            f"{repo_id}@{revision} is a pull request: code its publisher has not merged, "
+            "which trusting the publisher does not cover",
+            hint="set KERNELS_ALLOW_PR_REVISIONS=1 to load pull-request revisions on purpose",
+        )
 
 
 @dataclass(frozen=True)
@@ -44,9 +65,12 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
     """Resolve `spec` (a Hub spec with a ref) to a commit, per the rules in the module docstring."""
     repo_id, ref = spec.repo_id, spec.ref
     assert repo_id is not None and ref is not None
+    check_revision_allowed(repo_id, ref)
     if spec.pinned:
         return Resolution(repo_id, ref, ref, "pinned")
     record = cache.records.get(repo_id, ref)
+    if record is not None and not is_commit(record.commit):
+        record = None  # a damaged record is no record
     if record is not None and (offline or record.age() < ttl):
         return Resolution(repo_id, ref, record.commit, "record")
     if offline:
@@ -67,6 +91,12 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
         return Resolution(repo_id, ref, record.commit, "stale-record")
     except RevisionNotFound as exc:
         raise _explain_missing_revision(repo_id, ref, spec.version) from exc
+    if not isinstance(commit, str) or not is_commit(commit):
+        raise IntegrityError(
+            f"{repo_id}@{ref}: the server at {settings.endpoint()} answered the commit id "
+            f"{str(commit)[:80]!r}, which is not 40 lowercase hex digits",
+            hint="refusing it; check HF_ENDPOINT, and report the server if it is yours",
+        )
     try:
         cache.ensure()
         cache.records.put(ResolutionRecord(repo_id, ref, commit, time.time()))

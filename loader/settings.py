@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 DEFAULT_RESOLVE_TTL = 3600.0
+DEFAULT_LOCK_TIMEOUT = 600.0
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -41,21 +42,37 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
 
 
-def resolve_ttl() -> float:
-    """Seconds a resolution record stays fresh (KERNELS_RESOLVE_TTL; 0 = always re-check)."""
-    raw = os.environ.get("KERNELS_RESOLVE_TTL")
+def _seconds(name: str, default: float, example: str) -> float:
+    raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
-        return DEFAULT_RESOLVE_TTL
+        return default
     try:
         value = float(raw)
     except ValueError:
         from .errors import InvalidSpec
 
         raise InvalidSpec(
-            f"KERNELS_RESOLVE_TTL={raw!r} is not a number of seconds",
-            hint="set KERNELS_RESOLVE_TTL to seconds, e.g. 3600, or 0 to always re-check",
+            f"{name}={raw!r} is not a number of seconds",
+            hint=f"set {name} to seconds, e.g. {example}",
         ) from None
     return max(0.0, value)
+
+
+def resolve_ttl() -> float:
+    """Seconds a resolution record stays fresh (KERNELS_RESOLVE_TTL; 0 = always re-check)."""
+    return _seconds("KERNELS_RESOLVE_TTL", DEFAULT_RESOLVE_TTL, "3600, or 0 to always re-check")
+
+
+def lock_timeout() -> float:
+    """Seconds one wait for a cache lock may last before it fails naming the holder
+    (KERNELS_LOCK_TIMEOUT, default 600: a slow download of a large kernel fits)."""
+    return _seconds("KERNELS_LOCK_TIMEOUT", DEFAULT_LOCK_TIMEOUT, "600")
+
+
+def allow_pr_revisions() -> bool:
+    """KERNELS_ALLOW_PR_REVISIONS=1: `refs/pr/N` revisions (unreviewed pull-request code, which
+    the publisher's trust does not cover) may be loaded."""
+    return _truthy(os.environ.get("KERNELS_ALLOW_PR_REVISIONS"))
 
 
 def config_path() -> Path:
@@ -69,12 +86,17 @@ def config_path() -> Path:
 
 
 def _read_config() -> dict:
+    """The config file's table. It names trusted publishers, so a config file that other users
+    could write is refused (UnsafePermissions), never read."""
     path = config_path()
     try:
         if not path.is_file():
             return {}
     except OSError:  # e.g. a HOME this user may not enter: no config it can read, so none
         return {}
+    from .guard import refuse_exposed
+
+    refuse_exposed(path, "the kernels config file (it decides whom to trust)")
     return load_toml(path)
 
 

@@ -3,7 +3,13 @@
 A publisher (the org of `org/name`) is trusted by `trust_remote_code=True` (or a list naming the
 repo or org), by the user's allowlist (KERNELS_TRUSTED_PUBLISHERS, `trusted_publishers` in the
 config file), or by the Hub's trusted-publisher flag. The Hub's answer is recorded in the cache,
-so offline loads keep the same decision instead of skipping the check.
+so offline loads keep the same decision instead of skipping the check. That record names the
+endpoint that answered (a mirror's answer is not the Hub's) and lives in a cache that only this
+user and root can write (guard.open_cache refuses any other), so a cache writer cannot forge it.
+
+`trust_remote_code=True` covers the repo it is passed with, not the kernels that repo declares
+as dependencies: each dependency needs its own decision (a list naming it, the allowlist, or
+the Hub's flag), so a trusted kernel cannot pull in an untrusted org's code.
 """
 
 from __future__ import annotations
@@ -16,6 +22,12 @@ from . import hub, settings
 from .errors import HubUnavailable, UntrustedPublisher
 
 TrustArg = bool | list[str] | tuple[str, ...] | None
+
+
+def dependency_trust(trust_remote_code: TrustArg) -> TrustArg:
+    """What a kernel's `trust_remote_code` says about its dependencies: a list names repos and
+    orgs, so it applies to them as well; `True` names only the repo it was passed with."""
+    return trust_remote_code if isinstance(trust_remote_code, (list, tuple)) else False
 
 
 def explicitly_trusted(repo_id: str, trust_remote_code: TrustArg) -> bool:

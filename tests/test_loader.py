@@ -128,14 +128,21 @@ def test_offline_cache_miss_names_the_command(hub, relu, monkeypatch):
 
 def test_server_down_falls_back_to_cache_with_one_notice(hub, relu):
     kernels.get_kernel("kernels-test/relu", version=1)
-    dead = {"HF_ENDPOINT": "http://127.0.0.1:9", "KERNELS_RESOLVE_TTL": "0"}
+    # The same endpoint goes down (records are per endpoint: another URL has none to fall back on).
+    from kernels.serve.faults import FaultPlan
+
+    hub.server.faults = FaultPlan.parse("reset:1")
+    dead = {"KERNELS_RESOLVE_TTL": "0"}
     code = """
         import time, torch, kernels
         t = time.perf_counter()
         a = kernels.get_kernel('kernels-test/relu', version=1)
         print(a.VALUE, round(time.perf_counter() - t, 2))
     """
-    out = run_python(code, env=dead)
+    try:
+        out = run_python(code, env=dead)
+    finally:
+        hub.server.faults = None
     assert out.returncode == 0, out.stderr
     value, seconds = out.stdout.split()
     assert value == "1"

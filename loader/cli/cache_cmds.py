@@ -6,15 +6,21 @@ import argparse
 import json
 from pathlib import Path
 
+from kernels.cache import LockTimeout
+
 from .common import human_size
 
 
 def _cache():
+    """The whole cache, every endpoint's records (maintenance sees all), lock deadlines set."""
     from kernels.cache import Cache
 
     from .. import settings
+    from ..guard import lock_wait_notice
 
-    return Cache(settings.cache_root())
+    return Cache(
+        settings.cache_root(), lock_timeout=settings.lock_timeout(), on_lock_wait=lock_wait_notice
+    )
 
 
 def add_ls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,12 +92,26 @@ def run_verify(args: argparse.Namespace) -> int:
     cache = _cache()
     bad = 0
     checked = 0
+    exposure = cache.exposure()
+    if exposure is not None:
+        # Stamps prove nothing when others can rewrite them: re-hash, and say why loads refuse.
+        print(
+            f"UNSAFE {exposure.path} is {exposure.why}: loads refuse this cache; "
+            f"run `{exposure.fix()}`"
+        )
+        args.all = True
     for repo, commit, variant, check in cache.verify_all(full=args.all):
         checked += 1
         if not check.ok:
             bad += 1
             print(f"CORRUPT {repo}@{commit[:12]}/{variant}: {', '.join(check.bad)}")
     mode = "full re-hash" if args.all else "stamps"
+    if exposure is not None:
+        print(
+            f"{checked - bad} of {checked} variants match their manifests ({mode}), but the "
+            "cache is writable by others, so that proves nothing about who wrote them"
+        )
+        return 1
     if bad:
         print(
             f"{bad} of {checked} variants are corrupt ({mode}); run `kernels prune` then `kernels pull` to repair"
@@ -137,7 +157,12 @@ def run_prune(args: argparse.Namespace) -> int:
     # Installed variants stay indexed, so a tree that a lock pins or a process imported is never
     # an orphan; the lock's trees are passed explicitly as a second guard.
     keep = _locked_trees(cache, args.lockfile)
-    report = cache.prune(keep_trees=keep, dry_run=args.dry_run)
+    try:
+        report = cache.prune(keep_trees=keep, dry_run=args.dry_run)
+    except LockTimeout as exc:
+        from ..errors import LockWaitTimeout
+
+        raise LockWaitTimeout(f"prune waited for loads in progress: {exc}") from None
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"{verb} {len(report.trees)} trees and {len(report.objects)} objects ({human_size(report.bytes)})"

@@ -34,7 +34,7 @@ def export_cache(dest: Path, repos: list[str] | None = None) -> list[tuple[str, 
     from .. import settings
     from ..spec import is_commit
 
-    cache = Cache(settings.cache_root())
+    cache = Cache(settings.cache_root(), endpoint=settings.endpoint())
     wanted = set(repos or [])
     written = []
     refs: dict[str, dict[str, str]] = {}

@@ -76,8 +76,12 @@ def run_sync(args: argparse.Namespace) -> int:
                 progress=progress,
             )
             names = ", ".join(f.variant for f in found)
-            print(
-                f"synced {entry.repo_id}@{entry.commit[:12]} ({names}): verified against the lock"
+            # Only file digests verify anything; a reference-format lock pins the commit alone.
+            verdict = (
+                "verified against the lock"
+                if entry.variants
+                else f"commit pinned only (a {lock.source_format} lock has no file digests)"
             )
+            print(f"synced {entry.repo_id}@{entry.commit[:12]} ({names}): {verdict}")
     print(f"{len(lock.entries)} kernels match {lock_path}")
     return 0
