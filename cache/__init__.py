@@ -119,7 +119,7 @@ class Cache:
         """Who else could write this cache: the first folder (from `/` down to the root, then
         the root and its buckets) that a user other than this one and root may write, or None.
         A cache with an exposure proves nothing by its stamps, records or index (safety.py)."""
-        found = check_path(self.root)
+        found = check_path(self.root, sticky_here=True)  # the entries below are checked
         if found is None:
             found = check_tree([self.base, *(self.base / b for b in _GUARDED)])
         return found

@@ -50,10 +50,13 @@ def exposure_of(path: Path, st: os.stat_result, *, sticky_ok: bool = False) -> E
     return None
 
 
-def check_path(path: Path, *, parents: bool = True) -> Exposure | None:
+def check_path(path: Path, *, parents: bool = True, sticky_here: bool = False) -> Exposure | None:
     """The first exposure of `path` or (when `parents`) of a folder above it; None when only
     this user and root can change it. A missing `path` is judged by its nearest existing folder,
-    since whoever can write that folder can create it."""
+    since whoever can write that folder can create it. Folders above `path` may be sticky (like
+    /tmp: others cannot rename or delete what this user put there); `path` itself only with
+    `sticky_here`, for a folder whose entries are all checked in turn (a cache root: a tmpfs
+    mount is 1777), never for one where anybody's new file would be believed."""
     path = Path(os.path.abspath(path))
     chain = [path, *path.parents] if parents else [path]
     for index, item in enumerate(chain):
@@ -63,9 +66,7 @@ def check_path(path: Path, *, parents: bool = True) -> Exposure | None:
             continue
         except OSError:
             return Exposure(item, "not readable")
-        # The path itself may not be writable by others at all; a folder above it may be sticky
-        # (like /tmp): others cannot rename or delete what this user put there.
-        exposure = exposure_of(item, st, sticky_ok=index > 0)
+        exposure = exposure_of(item, st, sticky_ok=index > 0 or sticky_here)
         if exposure is not None:
             return exposure
     return None

@@ -219,6 +219,23 @@ import kernels, kernels.api, kernels.fetch, kernels.resolve, kernels.trust, kern
 import kernels.select, kernels.variants, kernels.metadata, kernels.native_abi, kernels.notices
 import kernels.cli.main, kernels.cli.pull, kernels.cli.common, kernels.cli.cache_cmds
 kernels.variants.detect_system()  # imports what describing this machine needs
+# and what talking to the Hub needs (a stale record or an uncached kernel goes online)
+import threading, http.server
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_error(404)
+    def log_message(self, *args):
+        pass
+_warm = http.server.HTTPServer(("127.0.0.1", 0), _NotFound)
+threading.Thread(target=_warm.serve_forever, daemon=True).start()
+_endpoint = os.environ["HF_ENDPOINT"]
+os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{_warm.server_port}"
+try:  # one request to a throwaway server, so the test's hub counts none
+    kernels.hub.resolve_revision("warm/up", "v1")
+except kernels.KernelsError:
+    pass
+os.environ["HF_ENDPOINT"] = _endpoint
+_warm.shutdown()
 os.setgroups([])
 os.setgid(65534)
 os.setuid(65534)
@@ -232,7 +249,12 @@ def test_read_only_cache_as_another_user(hub, repos, shared_dir):
     _populate(cache)
     _make_read_only(cache)
     # HOME and the (absent) config file where this user may look.
-    env = _env(cache, HOME=str(shared_dir), KERNELS_CONFIG=str(shared_dir / "config.toml"))
+    env = _env(
+        cache,
+        HOME=str(shared_dir),
+        KERNELS_CONFIG=str(shared_dir / "config.toml"),
+        HF_HOME=str(shared_dir / "hf-home"),  # the token file is looked for before a request
+    )
     probe = _run(python_argv(AS_NOBODY + "open(os.environ['KERNELS_CACHE'] + '/x', 'w')"), env)
     assert "PermissionError" in probe.stderr  # the cache really is read-only for this user
     _check_read_only_cache(hub, cache, env, prefix=AS_NOBODY)
