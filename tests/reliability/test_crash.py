@@ -75,12 +75,12 @@ def _lock_names(commit: str) -> list[str]:
 
 def _held(cache: Cache, name: str) -> bool:
     """True when another process holds the lock now (a non-blocking try)."""
-    from filelock import Timeout
+    from kernels.cache import LockTimeout
 
     try:
         with cache.lock(name, timeout=0):
             return False
-    except Timeout:
+    except LockTimeout:
         return True
 
 
