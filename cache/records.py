@@ -7,10 +7,11 @@
 
 Keys are opaque strings to this module; it knows nothing of what a repo or a revision means.
 
-Scoping: a store made with an `endpoint` (an opaque string: the loader passes the Hub URL)
-writes it into every resolution, trust and variant record and keeps one listing file per
-endpoint; it reads a record only when it names that endpoint, so what one server said is never
-taken as another's answer. A store made without one (tools, tests) reads every record.
+Scoping: a store made with an `endpoint` (an opaque string: the loader passes the Hub URL) reads
+and writes only that endpoint's entry of a resolution or trust record file
+(`{"endpoints": {endpoint: record}}`), keeps one listing file per endpoint, and uses an
+installed variant only when its record lists that endpoint, so what one server said is never
+taken as another's answer. A store made without one (tools, tests) reads the latest of any.
 """
 
 from __future__ import annotations
@@ -43,13 +44,27 @@ class TrustRecord:
     checked_at: float
 
 
-def _scoped(data: object, endpoint: str | None) -> dict | None:
-    """`data` if it is a record this endpoint may use, else None."""
-    if not isinstance(data, dict):
-        return None
-    if endpoint is not None and data.get("endpoint") != endpoint:
-        return None
-    return data
+def _read_scoped(path: Path, endpoint: str | None) -> dict | None:
+    """The record at `path` for `endpoint`; with None, the most recently checked of any."""
+    data = read_json(path)
+    entries = data.get("endpoints") if isinstance(data, dict) else None
+    if not isinstance(entries, dict):
+        return None  # absent, damaged, or written before records were scoped
+    if endpoint is not None:
+        found = entries.get(endpoint)
+        return found if isinstance(found, dict) else None
+    found = [e for e in entries.values() if isinstance(e, dict)]
+    return max(found, key=lambda e: e.get("checked_at", 0) or 0, default=None)
+
+
+def _write_scoped(path: Path, endpoint: str | None, record: dict) -> None:
+    """Set `endpoint`'s record in the file at `path`, keeping other endpoints' records. Two
+    writers racing may lose one endpoint's record; that only costs it a re-check."""
+    data = read_json(path)
+    entries = data.get("endpoints") if isinstance(data, dict) else None
+    entries = dict(entries) if isinstance(entries, dict) else {}
+    entries[endpoint or ""] = record
+    atomic_write_json(path, {"endpoints": entries})
 
 
 def endpoint_key(endpoint: str) -> str:
@@ -65,16 +80,11 @@ class RecordStore:
         self.trust_dir = trust
         self.endpoint = endpoint
 
-    def _stamp(self, data: dict) -> dict:
-        if self.endpoint is not None:
-            data["endpoint"] = self.endpoint
-        return data
-
     def _ref_path(self, repo: str, revision: str) -> Path:
         return self.refs / safe_key(repo) / f"{safe_key(revision)}.json"
 
     def get(self, repo: str, revision: str) -> ResolutionRecord | None:
-        data = _scoped(read_json(self._ref_path(repo, revision)), self.endpoint)
+        data = _read_scoped(self._ref_path(repo, revision), self.endpoint)
         if data is None:
             return None
         try:
@@ -83,9 +93,10 @@ class RecordStore:
             return None
 
     def put(self, record: ResolutionRecord) -> None:
-        atomic_write_json(
+        _write_scoped(
             self._ref_path(record.repo, record.revision),
-            self._stamp({"commit": record.commit, "checked_at": record.checked_at}),
+            self.endpoint,
+            {"commit": record.commit, "checked_at": record.checked_at},
         )
 
     def revisions(self, repo: str) -> list[ResolutionRecord]:
@@ -104,7 +115,7 @@ class RecordStore:
         return sorted(unsafe_key(p.name) for p in self.refs.iterdir() if p.is_dir())
 
     def get_trust(self, publisher: str) -> TrustRecord | None:
-        data = _scoped(read_json(self.trust_dir / f"{safe_key(publisher)}.json"), self.endpoint)
+        data = _read_scoped(self.trust_dir / f"{safe_key(publisher)}.json", self.endpoint)
         if data is None:
             return None
         try:
@@ -117,7 +128,7 @@ class RecordStore:
     def put_trust(self, record: TrustRecord) -> None:
         data = asdict(record)
         del data["publisher"]
-        atomic_write_json(self.trust_dir / f"{safe_key(record.publisher)}.json", self._stamp(data))
+        _write_scoped(self.trust_dir / f"{safe_key(record.publisher)}.json", self.endpoint, data)
 
 
 class RepoIndex:
