@@ -121,3 +121,39 @@ def test_a_hostile_listing_for_a_real_commit_stays_with_its_endpoint(hub, mirror
     # The hostile endpoint keeps getting its own answer, not the Hub's (and not silently).
     assert _load(mirror.url, GOOD, "revision", commit) == "66"
     assert Path(evil_marker).exists()
+
+
+@pytest.fixture
+def liar() -> Iterator[str]:
+    """A server on loopback that answers every revision with a 40-character non-commit."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"sha": "../" * 13 + "x"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+
+
+def test_a_commit_id_that_is_not_hex_is_refused_and_not_recorded(liar, monkeypatch):
+    from kernels.cache import Cache
+    from kernels.errors import IntegrityError
+
+    monkeypatch.setenv("HF_ENDPOINT", liar)
+    with pytest.raises(IntegrityError, match="not 40 lowercase hex"):
+        kernels.get_kernel(GOOD, version=1, trust_remote_code=True)
+    assert Cache(os.environ["KERNELS_CACHE"]).records.get(GOOD, "v1") is None
