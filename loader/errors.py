@@ -109,3 +109,22 @@ class MissingDependency(KernelsError, ImportError):
     """The kernel needs a Python package that is not installed."""
 
     hint = "pip install the package named above, then load the kernel again"
+
+
+class UnsafeResponse(IntegrityError):
+    """A server's answer breaks a safety bound (malformed commit id, paging loop or off-origin
+    page, oversized or over-compressed body): the client stopped reading and used none of it."""
+
+    hint = "check HF_ENDPOINT points at a Hub you trust; report the answer to its operator"
+
+
+class DownloadTimeout(HubUnavailable):
+    """A download ran past its overall deadline (the server sent too slowly, or stalled)."""
+
+    hint = "retry on a better link, or raise the deadline with KERNELS_DOWNLOAD_TIMEOUT=<seconds>"
+
+
+class InsufficientSpace(CacheError):
+    """The files to download are larger than the free space of the cache's disk."""
+
+    hint = "free disk space, or set KERNELS_CACHE to a folder on a larger disk"

@@ -9,6 +9,7 @@ from urllib.parse import unquote
 
 from .git import CommitInfo, Entry, GitRepo, Tree
 from .protocol import (
+    MAX_NAME_CHARS,
     REPO_TYPES,
     HubError,
     Request,
@@ -185,8 +186,8 @@ def _commits(repo: GitRepo, rev: str) -> Response:
 
 
 def _org_overview(server: MirrorServer, org: str) -> Response:
-    if not server.mirror.has_org(org):
-        raise HubError(404, f"Organization not found: {org}")
+    if len(org) > MAX_NAME_CHARS or not server.mirror.has_org(org):
+        raise HubError(404, f"Organization not found: {org:.100}")
     return json_response(
         {
             "name": org,

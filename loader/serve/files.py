@@ -5,6 +5,7 @@ from __future__ import annotations
 import mimetypes
 import os
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,9 +69,13 @@ def lfs_object(server: MirrorServer, req: Request, org: str, name: str, oid: str
 
 
 def _lfs_size(repo: GitRepo, oid: str, path: str, commit: str) -> int:
-    """Size of the stored LFS object; EntryNotFound when the mirror lacks it."""
+    """Size of the stored LFS object; EntryNotFound when the mirror lacks it. A link in its place
+    is treated as missing: the server does not follow links out of the mirror."""
     try:
-        return os.stat(object_path(repo.gitdir, oid)).st_size
+        st = os.lstat(object_path(repo.gitdir, oid))
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError("not a regular file")
+        return st.st_size
     except OSError:
         raise HubError(
             404,
@@ -97,7 +102,8 @@ def _lfs_content(
     headers["Content-Type"] = _content_type(path)
     data = None
     if req.method == "GET" and server.file_hook is not None:
-        data = server.file_hook(repo_id, commit, path, location.read_bytes())
+        with _open_object(location) as f:
+            data = server.file_hook(repo_id, commit, path, f.read())
     etags = {pointer.oid, headers["ETag"].strip('"')}
     return _content(req, headers, etags, size, data, _file_stream(location))
 
@@ -140,12 +146,18 @@ def _blob_stream(repo: GitRepo, oid: str) -> Callable[[int, int], Stream]:
 def _file_stream(location: Path) -> Callable[[int, int], Stream]:
     def make(start: int, length: int) -> Stream:
         def send(sock: socket.socket, _write: Callable[[bytes], Any]) -> None:
-            with open(location, "rb") as f:
+            with _open_object(location) as f:
                 sock.sendfile(f, offset=start, count=length)
 
         return send
 
     return make
+
+
+def _open_object(location: Path):
+    """An LFS object opened without following a link in its place (swapped in after the size
+    check)."""
+    return os.fdopen(os.open(location, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
 
 
 class _Unsatisfiable(Exception):

@@ -6,6 +6,7 @@ inside a route becomes a JSON 500; tracebacks go to the server's stderr, never t
 
 from __future__ import annotations
 
+import hmac
 import json
 import sys
 import traceback
@@ -84,11 +85,18 @@ class MirrorHandler(BaseHTTPRequestHandler):
         self._send(response)
 
     def _control(self, path: str) -> Response:
-        """The test-facing request log: GET /_mirror/requests, POST /_mirror/requests/reset."""
+        """The request log: GET /_mirror/requests, POST /_mirror/requests/reset; only for a client
+        that shows the server's control token (none set: no client), else an unknown route."""
         server = self.mirror_server
+        token = server.control_token
+        shown = self.headers.get("X-Mirror-Token") or ""
+        if token is None or not hmac.compare_digest(shown.encode(), token.encode()):
+            return json_response({"error": f"no such route: {path}"}, 404)
         if path == "/_mirror/requests" and self.command in ("GET", "HEAD"):
             log = server.requests
-            return json_response({"requests": [list(r) for r in log], "count": len(log)})
+            return json_response(
+                {"requests": [list(r) for r in log], "count": server.requests_total}
+            )
         if path == "/_mirror/requests/reset" and self.command == "POST":
             server.reset_requests()
             return json_response({"requests": [], "count": 0})

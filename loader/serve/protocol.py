@@ -13,6 +13,9 @@ from .git import GitRepo
 if TYPE_CHECKING:
     from .server import MirrorServer
 
+# The Hub's limit on an org or repo name; a longer one is simply not there (and never reaches the
+# filesystem, which would refuse a name over 255 bytes with an error).
+MAX_NAME_CHARS = 96
 REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space", "kernels": "kernel"}
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -77,6 +80,8 @@ def _header_safe(text: str) -> str:
 
 def repo_or_404(server: MirrorServer, org: str, name: str) -> GitRepo:
     """The repo, or a RepoNotFound error."""
+    if len(org) > MAX_NAME_CHARS or len(name) > MAX_NAME_CHARS:
+        raise HubError(404, f"Repository not found: {org:.100}/{name:.100}", "RepoNotFound")
     repo = server.mirror.repo(org, name)
     if repo is None:
         raise HubError(404, f"Repository not found: {org}/{name}", "RepoNotFound")
