@@ -125,8 +125,8 @@ def read_bounded(response, limit: int, *, what: str) -> bytes:
             if inflater is None:
                 out += raw
             else:
-                while raw:
-                    out += inflater.decompress(raw, limit + 1 - len(out))
+                while raw:  # pieces of at most 1 MiB: never a large transient copy
+                    out += inflater.decompress(raw, min(1 << 20, limit + 1 - len(out)))
                     if len(out) > limit:
                         break
                     raw = inflater.unconsumed_tail
