@@ -25,6 +25,8 @@ from socketserver import TCPServer
 import pytest
 from kernels.cache import Cache
 
+from tests.kernel_repos import metadata
+
 
 @dataclass
 class Seen:
@@ -193,9 +195,8 @@ class KernelRepo:
 def simple_kernel(variant: str = "torch-universal") -> dict[str, bytes]:
     """The files of a small pure-Python variant (no torch needed to install it)."""
     base = f"build/{variant}"
-    metadata = {"version": 1, "python-depends": []}
     return {
-        f"{base}/metadata.json": json.dumps(metadata).encode(),
+        f"{base}/metadata.json": metadata("relu").encode(),
         f"{base}/__init__.py": b"VALUE = 1\n",
     }
 
