@@ -42,6 +42,8 @@ MAX_RETRY_AFTER = 30.0
 # seen before and never one to another origin (it would carry the token there).
 MAX_JSON_BYTES = 32 << 20
 MAX_LISTING_PAGES = 200
+# The overall deadline of one JSON answer, however slowly its bytes come.
+METADATA_DEADLINE = 60.0
 # The overall deadline of one file (all attempts together), unless KERNELS_DOWNLOAD_TIMEOUT says:
 # a base plus the time the file takes at a slow but working rate. A server that trickles bytes
 # fast enough to dodge the per-read timeout still ends here.
@@ -95,17 +97,20 @@ def _get_json(url: str, params: dict | None = None):
         if response.status_code >= 400:
             response.read()  # huggingface_hub's error types read the (small) error body
             hf_raise_for_status(response)
-        body = read_bounded(response, MAX_JSON_BYTES, what=url)
+        body = read_bounded(
+            response, MAX_JSON_BYTES, what=url, deadline=time.monotonic() + METADATA_DEADLINE
+        )
     try:
         return json.loads(body), response
     except ValueError as exc:
         raise HubUnavailable(f"{url}: the answer is not JSON ({exc})") from None
 
 
-def read_bounded(response, limit: int, *, what: str) -> bytes:
+def read_bounded(response, limit: int, *, what: str, deadline: float) -> bytes:
     """The body of a streamed httpx response, decoded, refusing more than `limit` bytes of it
     (UnsafeResponse) before they are held: gzip and deflate are inflated here piece by piece with
-    a cap on each piece's output, so a small body cannot expand to gigabytes in memory."""
+    a cap on each piece's output, so a small body cannot expand to gigabytes in memory. Past
+    `deadline` (time.monotonic()), DownloadTimeout."""
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
         inflater = None
@@ -121,7 +126,11 @@ def read_bounded(response, limit: int, *, what: str) -> bytes:
         return UnsafeResponse(f"{what}: the answer is larger than {limit} bytes; stopped reading")
 
     try:
-        for raw in response.iter_raw(1 << 16):
+        # No chunk size: httpx would hold bytes back until a chunk fills, and the deadline is
+        # checked between the pieces the network delivers.
+        for raw in response.iter_raw():
+            if time.monotonic() > deadline:
+                raise DownloadTimeout(f"{what}: the answer did not arrive in time; gave up")
             if inflater is None:
                 out += raw
             else:
@@ -269,14 +278,17 @@ def list_build_files(repo_id: str, commit: str) -> list[RemoteFile]:
         files = []
         url: str | None = f"{_repo_api(repo_id)}/tree/{quote(commit, safe='')}/build"
         params: dict | None = {"recursive": "true", "expand": "false"}
-        seen: set[str] = set()
+        seen: set[str] = set()  # pages read, as requested and as answered (with the query)
+        pages = 0
         while url:
-            if len(seen) >= MAX_LISTING_PAGES:
+            if pages >= MAX_LISTING_PAGES:
                 raise UnsafeResponse(
                     f"{repo_id}@{commit[:12]}: the listing runs past {MAX_LISTING_PAGES} pages"
                 )
+            pages += 1
             seen.add(url)
             data, response = _get_json(url, params)
+            seen.add(str(response.url))
             if not isinstance(data, list):
                 raise HubUnavailable(f"{repo_id}@{commit[:12]}: the tree listing is not a list")
             for item in data:
@@ -319,7 +331,7 @@ def _next_page(repo_id: str, commit: str, here: str, response, seen: set[str]) -
     where = f"{repo_id}@{commit[:12]}"
     if _origin(url) != _origin(settings.endpoint()):
         raise UnsafeResponse(f"{where}: the listing's next page is on another origin ({url:.120})")
-    if url in seen or url == here:
+    if url in seen:
         raise UnsafeResponse(f"{where}: the listing's next page loops back to a page already read")
     return url
 

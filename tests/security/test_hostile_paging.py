@@ -86,3 +86,37 @@ def test_honest_paging_on_the_same_origin_still_works(hostile):
     hostile.route(TREE, answer)
     listed = hub_client.list_build_files("evil/relu", repo.commit)
     assert sorted(f.path for f in listed) == sorted(files)
+
+
+def test_a_next_link_back_to_the_first_page_is_not_followed(hostile):
+    repo = KernelRepo("evil/relu", simple_kernel())
+    repo.install(hostile)
+    first = f"{hostile.url}/api/kernels/evil/relu/tree/{repo.commit}/build"
+
+    def answer(seen, _match):
+        # Page 2 links back to page 1 as the client asked for it (with its query).
+        link = (
+            f"{first}?recursive=true&expand=false"
+            if "cursor=2" in seen.path
+            else f"{first}?cursor=2"
+        )
+        return json_reply(repo.listing(), headers={"Link": f'<{link}>; rel="next"'})
+
+    hostile.route(TREE, _stop_after(answer, 50))
+    with pytest.raises(UnsafeResponse, match="loops back"):
+        hub_client.list_build_files("evil/relu", repo.commit)
+    assert len(hostile.paths("/tree/")) == 2
+
+
+def _stop_after(answer, pages: int):
+    """`answer`, without its Link header from page `pages` on (so an unbounded client ends)."""
+    count = {"n": 0}
+
+    def wrapped(seen, match):
+        count["n"] += 1
+        reply = answer(seen, match)
+        if count["n"] >= pages:
+            reply.headers.pop("Link", None)
+        return reply
+
+    return wrapped

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 
 import pytest
 from kernels import fetch
+from kernels import hub as hub_client
 from kernels.cache import Cache
 from kernels.errors import DownloadTimeout
 
@@ -71,3 +73,18 @@ def test_a_prompt_server_is_unaffected(hostile, monkeypatch):
     assert _install(repo) < 5.0
     cache = Cache(os.environ["KERNELS_CACHE"])
     assert cache.installed(repo.repo_id, repo.commit, "torch-universal") is not None
+
+
+def test_a_trickled_listing_meets_its_deadline(hostile, monkeypatch):
+    monkeypatch.setattr(hub_client, "METADATA_DEADLINE", 1.0, raising=False)
+    repo = KernelRepo("evil/relu", simple_kernel())
+    repo.install(hostile)
+    body = json.dumps(repo.listing()).encode()  # a few hundred bytes: 30 s and more at this pace
+    hostile.route(
+        r"/api/kernels/evil/relu/tree/[^/]+/build",
+        lambda _s, _m: Reply(200, {"Content-Type": "application/json"}, chunks=trickle(body, 0.1)),
+    )
+    start = time.monotonic()
+    with pytest.raises(DownloadTimeout):
+        hub_client.list_build_files("evil/relu", repo.commit)
+    assert time.monotonic() - start < 4.0
