@@ -8,19 +8,24 @@ import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote, unquote
 
 from .git import HEX40, SMALL_BLOB, GitRepo
 from .lfs import LfsPointer, is_sha256, object_path
-from .protocol import HubError, Request, Response, Stream, commit_or_404, repo_or_404
-
-if TYPE_CHECKING:
-    from .server import MirrorServer
+from .protocol import (
+    HubError,
+    Request,
+    Response,
+    ServerContext,
+    Stream,
+    commit_or_404,
+    repo_or_404,
+)
 
 
 def resolve(
-    server: MirrorServer, req: Request, org: str, name: str, rev: str, raw_path: str
+    server: ServerContext, req: Request, org: str, name: str, rev: str, raw_path: str
 ) -> Response:
     """HEAD/GET of one file at a revision: the bytes, a 304, or (LFS) a 302 to the object route."""
     repo = repo_or_404(server, org, name)
@@ -52,7 +57,7 @@ def resolve(
     return _lfs_content(server, req, repo, f"{org}/{name}", sha, path, pointer, headers)
 
 
-def lfs_object(server: MirrorServer, req: Request, org: str, name: str, oid: str) -> Response:
+def lfs_object(server: ServerContext, req: Request, org: str, name: str, oid: str) -> Response:
     """The CDN side of an LFS redirect: the object's bytes, plus the metadata the HEAD carried."""
     repo = repo_or_404(server, org, name)
     if not is_sha256(oid):
@@ -87,7 +92,7 @@ def _lfs_size(repo: GitRepo, oid: str, path: str, commit: str) -> int:
 
 
 def _lfs_content(
-    server: MirrorServer,
+    server: ServerContext,
     req: Request,
     repo: GitRepo,
     repo_id: str,

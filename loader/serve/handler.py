@@ -11,15 +11,11 @@ import json
 import sys
 import traceback
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 from .faults import reset_connection
-from .protocol import Request, Response, json_response
+from .protocol import Request, Response, ServerContext, json_response
 from .routes import dispatch
-
-if TYPE_CHECKING:
-    from .server import MirrorServer
 
 CONTROL_PREFIX = "/_mirror/"
 _DRAIN_LIMIT = 1 << 20  # request bodies up to this size are read and dropped, larger ones close
@@ -33,7 +29,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
     timeout = 120  # seconds an idle keep-alive connection is kept open
 
     @property
-    def mirror_server(self) -> MirrorServer:
+    def mirror_server(self) -> ServerContext:
         return self.server.mirror_server  # type: ignore[attr-defined]
 
     def do_GET(self) -> None:
@@ -51,7 +47,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
         raw_path, _, query = self.path.partition("?")
         control = raw_path.startswith(CONTROL_PREFIX)
         if not control:
-            self.mirror_server._record(self.command, self.path)
+            self.mirror_server.record_request(self.command, self.path)
         self._drain_body()
         try:
             if control:

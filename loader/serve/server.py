@@ -8,7 +8,6 @@ import socket
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from socketserver import TCPServer
@@ -17,9 +16,7 @@ from typing import Any, TextIO
 from .faults import FaultPlan
 from .handler import MirrorHandler
 from .mirror import Mirror
-
-TreeHook = Callable[[str, str, list[dict[str, Any]]], list[dict[str, Any]]]
-FileHook = Callable[[str, str, str, bytes], bytes]
+from .protocol import FileHook, TreeHook
 
 # The request log keeps the newest LOG_CAPACITY requests, each target cut at LOG_TARGET_CHARS:
 # a few MiB at most, however long the server runs or however long the URLs a client sends.
@@ -189,7 +186,8 @@ class MirrorServer:
             self._log.clear()
             self._log_total = 0
 
-    def _record(self, method: str, target: str) -> None:
+    def record_request(self, method: str, target: str) -> None:
+        """Add one request to the log (the handler calls it; control routes are not recorded)."""
         if len(target) > LOG_TARGET_CHARS:
             target = target[:LOG_TARGET_CHARS] + "..."
         with self._log_lock:
