@@ -20,15 +20,20 @@ from pathlib import Path
 from kernels.cache import Cache, DigestMismatch, FileEntry, Manifest, ManifestError, check_relpath
 
 from . import hub
-from .errors import CacheError, InsufficientSpace, IntegrityError, KernelsError, OfflineCacheMiss
+from .errors import (
+    CacheError,
+    InsufficientSpace,
+    IntegrityError,
+    InvalidSpec,
+    KernelsError,
+    OfflineCacheMiss,
+)
 from .hub import RemoteFile
 from .metadata import MAX_METADATA_BYTES
+from .spec import validate_repo_id
 
 MAX_FILE_SIZE = 16 << 30
 MAX_FILES_PER_VARIANT = 10_000
-# Room left free on the cache's disk after a download, besides the files themselves (the
-# manifest, the tree's links, whatever else writes to that disk meanwhile).
-FREE_SPACE_MARGIN = 64 << 20
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
@@ -39,9 +44,6 @@ def valid_install_key(repo_id: str, commit: str, variant: str) -> bool:
     a Hub repo id, a 40-lowercase-hex commit and a variant folder name. Anything else (a record
     written by a client that trusted a server's commit id) must not become a path or a line of
     output."""
-    from .errors import InvalidSpec
-    from .spec import validate_repo_id
-
     try:
         validate_repo_id(repo_id)
     except InvalidSpec:
@@ -246,7 +248,7 @@ def check_free_space(
         free = shutil.disk_usage(cache.root).free
     except OSError:
         return
-    if needed + FREE_SPACE_MARGIN > free:
+    if needed > free:
         raise InsufficientSpace(
             f"{repo_id}@{commit[:12]}/{variant} needs {needed} bytes; the disk of {cache.root} "
             f"has {free} free"
