@@ -122,3 +122,22 @@ class LockWaitTimeout(KernelsError, TimeoutError):
     """Another process held a cache lock past the deadline (KERNELS_LOCK_TIMEOUT)."""
 
     hint = "end the process named above if it is stuck, or raise KERNELS_LOCK_TIMEOUT (seconds)"
+
+
+class UnsafeResponse(IntegrityError):
+    """A server's answer breaks a safety bound (malformed commit id, paging loop or off-origin
+    page, oversized or over-compressed body): the client stopped reading and used none of it."""
+
+    hint = "check HF_ENDPOINT points at a Hub you trust; report the answer to its operator"
+
+
+class DownloadTimeout(HubUnavailable):
+    """A download ran past its overall deadline (the server sent too slowly, or stalled)."""
+
+    hint = "retry on a better link, or raise the deadline with KERNELS_DOWNLOAD_TIMEOUT=<seconds>"
+
+
+class InsufficientSpace(CacheError):
+    """The files to download are larger than the free space of the cache's disk."""
+
+    hint = "free disk space, or set KERNELS_CACHE to a folder on a larger disk"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +28,36 @@ from kernels.cache import (
 )
 
 from . import hub
-from .errors import CacheError, IntegrityError, KernelsError, LockWaitTimeout, OfflineCacheMiss
+from .errors import (
+    CacheError,
+    InsufficientSpace,
+    IntegrityError,
+    InvalidSpec,
+    KernelsError,
+    LockWaitTimeout,
+    OfflineCacheMiss,
+)
 from .hub import RemoteFile
+from .metadata import MAX_METADATA_BYTES
+from .spec import validate_repo_id
 
 MAX_FILE_SIZE = 16 << 30
 MAX_FILES_PER_VARIANT = 10_000
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+def valid_install_key(repo_id: str, commit: str, variant: str) -> bool:
+    """True when a cache entry's (repo, commit, variant) is one this client could have installed:
+    a Hub repo id, a 40-lowercase-hex commit and a variant folder name. Anything else (a record
+    written by a client that trusted a server's commit id) must not become a path or a line of
+    output."""
+    try:
+        validate_repo_id(repo_id)
+    except InvalidSpec:
+        return False
+    return hub.is_commit_id(commit) and bool(_VARIANT.match(variant))
 
 
 @dataclass(frozen=True)
@@ -81,6 +104,9 @@ def _validate_listing(repo_id: str, commit: str, files: list[RemoteFile]) -> Lis
             continue  # bytecode is never installed
         if not isinstance(f.size, int) or f.size < 0 or f.size > MAX_FILE_SIZE:
             raise bad(f"{f.path} has size {f.size!r}")
+        if rel == "metadata.json" and f.size > MAX_METADATA_BYTES:
+            # Refused from the listing's word, before a byte of it is downloaded or read.
+            raise bad(f"{f.path} is {f.size} bytes; metadata is at most {MAX_METADATA_BYTES}")
         if f.lfs_sha256 is not None and not _HEX64.match(f.lfs_sha256):
             raise bad(f"{f.path} has a malformed sha256")
         if f.lfs_sha256 is None and (f.git_sha1 is None or not _HEX40.match(f.git_sha1)):
@@ -98,6 +124,11 @@ def _validate_listing(repo_id: str, commit: str, files: list[RemoteFile]) -> Lis
 
 def get_listing(cache: Cache, repo_id: str, commit: str, *, offline: bool) -> Listing:
     """The commit's variants: from the cache (no request) or from the Hub (one request)."""
+    if not hub.is_commit_id(commit):
+        raise IntegrityError(
+            f"{repo_id}: refusing the malformed commit id {commit!r:.60}",
+            hint="pin a 40-hex commit, or check HF_ENDPOINT points at a Hub you trust",
+        )
     cached = cache.index.get_listing(repo_id, commit)
     if cached is not None:
         try:
@@ -162,7 +193,7 @@ def fetch_object(
         return write, writer.abort
 
     path = f"build/{variant}/{f.path}"
-    hub.download_to(repo_id, commit, path, open_sink, on_progress=progress)
+    hub.download_to(repo_id, commit, path, open_sink, size=f.size, on_progress=progress)
     writer, git = state["writer"], state["git"]
     where = f"{repo_id}@{commit[:12]}:{path}"
     if writer.size != f.size:
@@ -216,6 +247,26 @@ def _disk_errors(cache: Cache):
         raise CacheError(f"cannot write to the cache at {cache.root}: {reason}") from exc
 
 
+def check_free_space(
+    cache: Cache, repo_id: str, commit: str, variant: str, files: tuple[RemoteFile, ...]
+) -> None:
+    """InsufficientSpace, before any download, when the files the store lacks (sizes from the
+    listing) do not fit in the free space of the cache's disk. Unknown free space passes: the
+    writes themselves still fail typed (CacheError) on a full disk."""
+    needed = sum(f.size for f in files if _known_sha256(cache, f) is None)
+    if needed == 0:
+        return
+    try:
+        free = shutil.disk_usage(cache.root).free
+    except OSError:
+        return
+    if needed > free:
+        raise InsufficientSpace(
+            f"{repo_id}@{commit[:12]}/{variant} needs {needed} bytes; the disk of {cache.root} "
+            f"has {free} free"
+        )
+
+
 def install_variant(
     cache: Cache,
     repo_id: str,
@@ -236,6 +287,7 @@ def install_variant(
         if done is not None:
             return done
         cache.clean_tmp()
+        check_free_space(cache, repo_id, commit, variant, files)
         ordered = sorted(files, key=lambda f: f.path != "metadata.json")
         entries = []
         for f in ordered:

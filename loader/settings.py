@@ -7,6 +7,7 @@ same meaning huggingface_hub gives them, so the loader can decide "offline" with
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -136,3 +137,20 @@ def lockfile_override() -> Path | None:
     """KERNELS_LOCKFILE, when set."""
     raw = os.environ.get("KERNELS_LOCKFILE")
     return Path(raw).expanduser() if raw else None
+
+
+def download_timeout() -> float | None:
+    """KERNELS_DOWNLOAD_TIMEOUT: the overall deadline of one file's download, in seconds (None:
+    the default, which grows with the file's size); a non-positive or unparsable value is ignored."""
+    raw = os.environ.get("KERNELS_DOWNLOAD_TIMEOUT")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def serve_token() -> str | None:
+    """KERNELS_SERVE_TOKEN: the token `kernels serve` asks of clients of its request-log routes
+    (header X-Mirror-Token); unset, those routes do not exist."""
+    return os.environ.get("KERNELS_SERVE_TOKEN") or None

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -53,18 +54,24 @@ except Exception as exc:
 
 class Server:
     def __init__(self, python: str, mirror: Path):
+        # The request log is readable over HTTP only with this token.
+        self.token = {"X-Mirror-Token": secrets.token_hex(16)}
         self.proc = subprocess.Popen(
             [python, "-m", "kernels.cli.main", "serve", str(mirror), "--port", "0"],
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, "KERNELS_SERVE_TOKEN": self.token["X-Mirror-Token"]},
         )
         self.url = self.proc.stdout.readline().strip().rsplit(" ", 1)[-1]
 
     def take_requests(self) -> list:
-        with urllib.request.urlopen(f"{self.url}/_mirror/requests") as r:
+        log = urllib.request.Request(f"{self.url}/_mirror/requests", headers=self.token)
+        with urllib.request.urlopen(log) as r:
             data = json.loads(r.read())
         urllib.request.urlopen(
-            urllib.request.Request(f"{self.url}/_mirror/requests/reset", method="POST")
+            urllib.request.Request(
+                f"{self.url}/_mirror/requests/reset", method="POST", headers=self.token
+            )
         ).read()
         return [x for x in data["requests"] if "agent-harnesses" not in str(x)]
 

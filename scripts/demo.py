@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -64,10 +65,17 @@ print(f"training step on the CPU: loss {loss.item():.4f}, grad norm "
 """
 
 
+# The mirror's request log is readable over HTTP only with this token (KERNELS_SERVE_TOKEN).
+LOG_TOKEN = secrets.token_hex(16)
+
+
 def requests_made(url: str) -> list:
-    with urllib.request.urlopen(f"{url}/_mirror/requests") as response:
+    token = {"X-Mirror-Token": LOG_TOKEN}
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{url}/_mirror/requests", headers=token)
+    ) as response:
         data = json.loads(response.read())
-    reset = urllib.request.Request(f"{url}/_mirror/requests/reset", method="POST")
+    reset = urllib.request.Request(f"{url}/_mirror/requests/reset", method="POST", headers=token)
     urllib.request.urlopen(reset).read()
     return [r for r in data["requests"] if "agent-harnesses" not in str(r)]
 
@@ -101,6 +109,7 @@ def main() -> int:
         [sys.executable, "-m", "kernels.cli.main", "serve", str(mirror), "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "KERNELS_SERVE_TOKEN": LOG_TOKEN},
     )
     try:
         line = server.stdout.readline().strip()  # "serving DIR on http://127.0.0.1:PORT"

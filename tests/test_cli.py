@@ -394,8 +394,14 @@ def test_lockfile_discovery_and_locked_load_without_requests(hub, repos, tmp_pat
 # -- the air-gapped flow -------------------------------------------------------------------
 
 
+# `kernels serve` opens its request log to this token (KERNELS_SERVE_TOKEN).
+_LOG_TOKEN = {"X-Mirror-Token": "test-cli-log-token"}
+
+
 def _requests_at(url: str) -> list:
-    with urllib.request.urlopen(f"{url}/_mirror/requests") as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{url}/_mirror/requests", headers=_LOG_TOKEN)
+    ) as r:
         data = json.loads(r.read())
     return [x for x in data["requests"] if "agent-harnesses" not in x[1]]
 
@@ -416,7 +422,10 @@ def test_pull_export_serve_sync_frozen_then_load_with_zero_requests(hub, repos, 
     assert "kernels-test" in (export / "kernels-mirror.toml").read_text()
     # On the cluster: serve the export, an empty cache, sync --frozen, then load.
     server = subprocess.Popen(
-        [KERNELS, "serve", str(export), "--port", "0"], stdout=subprocess.PIPE, text=True
+        [KERNELS, "serve", str(export), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "KERNELS_SERVE_TOKEN": _LOG_TOKEN["X-Mirror-Token"]},
     )
     try:
         url = server.stdout.readline().strip().rsplit(" ", 1)[-1]
@@ -430,7 +439,9 @@ def test_pull_export_serve_sync_frozen_then_load_with_zero_requests(hub, repos, 
         assert "2 kernels match" in out.stdout
         _requests_at(url)
         urllib.request.urlopen(
-            urllib.request.Request(f"{url}/_mirror/requests/reset", method="POST")
+            urllib.request.Request(
+                f"{url}/_mirror/requests/reset", method="POST", headers=_LOG_TOKEN
+            )
         ).read()
         code = """
             import kernels

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from kernels.cache import LockTimeout
@@ -28,13 +29,19 @@ def add_ls_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    from ..fetch import valid_install_key
+
     cache = _cache()
     rows = []
+    malformed = 0
     refs: dict[tuple[str, str], list[str]] = {}
     for repo in cache.records.repos():
         for record in cache.records.revisions(repo):
             refs.setdefault((repo, record.commit), []).append(record.revision)
     for repo, commit, variant, digest in cache.index.entries():
+        if not valid_install_key(repo, commit, variant):
+            malformed += 1  # never echoed: it is a hostile server's text (paths, escapes)
+            continue
         manifest = cache.index.get_manifest(digest)
         rows.append(
             {
@@ -46,6 +53,11 @@ def run_ls(args: argparse.Namespace) -> int:
                 "files": len(manifest.files) if manifest else 0,
                 "bytes": manifest.total_size if manifest else 0,
             }
+        )
+    if malformed:
+        print(
+            f"kernels: skipped {malformed} malformed cache entries; run `kernels verify --all`",
+            file=sys.stderr,
         )
     if args.json:
         for row in rows:

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from ..serve.snapshot import EXPORT_MANIFEST
@@ -32,6 +33,7 @@ def export_cache(dest: Path, repos: list[str] | None = None) -> list[tuple[str, 
     from kernels.cache import Cache
 
     from .. import settings
+    from ..fetch import valid_install_key
     from ..spec import is_commit
 
     cache = Cache(settings.cache_root(), endpoint=settings.endpoint())
@@ -40,11 +42,20 @@ def export_cache(dest: Path, repos: list[str] | None = None) -> list[tuple[str, 
     refs: dict[str, dict[str, str]] = {}
     for repo in cache.records.repos():
         for record in cache.records.revisions(repo):
-            if not is_commit(record.revision):
+            if not is_commit(record.revision) and is_commit(record.commit):
                 refs.setdefault(repo, {})[record.revision] = record.commit
     trusted = set()
     for repo, commit, variant, digest in cache.index.entries():
         if wanted and repo not in wanted:
+            continue
+        # The names become folders under dest: a malformed one (e.g. a commit "../../x" that a
+        # hostile server once got recorded) is skipped, never joined.
+        if not valid_install_key(repo, commit, variant):
+            print(
+                f"warning: skipped a malformed cache entry {repo!r:.80}@{commit!r:.60}; "
+                "run `kernels verify --all`",
+                file=sys.stderr,
+            )
             continue
         manifest = cache.index.get_manifest(digest)
         if manifest is None or not cache.trees.check(manifest).ok:

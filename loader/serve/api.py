@@ -4,30 +4,29 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
 from .git import CommitInfo, Entry, GitRepo, Tree
 from .protocol import (
+    MAX_NAME_CHARS,
     REPO_TYPES,
     HubError,
     Request,
     Response,
+    ServerContext,
     commit_or_404,
     json_response,
     repo_or_404,
     route_not_found,
 )
 
-if TYPE_CHECKING:
-    from .server import MirrorServer
-
 
 def _iso(seconds: int) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
 
 
-def api(server: MirrorServer, req: Request, segs: list[str]) -> Response:
+def api(server: ServerContext, req: Request, segs: list[str]) -> Response:
     """Answer /api/<segs...> (raw path segments after "api")."""
     if len(segs) == 3 and segs[0] == "organizations" and segs[2] == "overview":
         return _org_overview(server, unquote(segs[1]))
@@ -124,7 +123,7 @@ def _refs(repo: GitRepo, include_prs: bool) -> Response:
 
 
 def _tree(
-    server: MirrorServer,
+    server: ServerContext,
     repo: GitRepo,
     repo_id: str,
     rev: str,
@@ -184,9 +183,9 @@ def _commits(repo: GitRepo, rev: str) -> Response:
     )
 
 
-def _org_overview(server: MirrorServer, org: str) -> Response:
-    if not server.mirror.has_org(org):
-        raise HubError(404, f"Organization not found: {org}")
+def _org_overview(server: ServerContext, org: str) -> Response:
+    if len(org) > MAX_NAME_CHARS or not server.mirror.has_org(org):
+        raise HubError(404, f"Organization not found: {org:.100}")
     return json_response(
         {
             "name": org,

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+from .. import settings
 from ..errors import KernelsError
 from .faults import FaultPlan, FaultSpecError
 from .mirror import Mirror
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             lfs_redirect=not args.no_lfs_redirect,
             access_log=sys.stderr if args.verbose else None,
+            control_token=settings.serve_token(),  # the request log over HTTP
         )
     except KernelsError as exc:
         print(f"kernels serve: error: {exc.message} ({exc.hint})", file=sys.stderr)

@@ -5,21 +5,27 @@ from __future__ import annotations
 import mimetypes
 import os
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote, unquote
 
 from .git import HEX40, SMALL_BLOB, GitRepo
 from .lfs import LfsPointer, is_sha256, object_path
-from .protocol import HubError, Request, Response, Stream, commit_or_404, repo_or_404
-
-if TYPE_CHECKING:
-    from .server import MirrorServer
+from .protocol import (
+    HubError,
+    Request,
+    Response,
+    ServerContext,
+    Stream,
+    commit_or_404,
+    repo_or_404,
+)
 
 
 def resolve(
-    server: MirrorServer, req: Request, org: str, name: str, rev: str, raw_path: str
+    server: ServerContext, req: Request, org: str, name: str, rev: str, raw_path: str
 ) -> Response:
     """HEAD/GET of one file at a revision: the bytes, a 304, or (LFS) a 302 to the object route."""
     repo = repo_or_404(server, org, name)
@@ -51,7 +57,7 @@ def resolve(
     return _lfs_content(server, req, repo, f"{org}/{name}", sha, path, pointer, headers)
 
 
-def lfs_object(server: MirrorServer, req: Request, org: str, name: str, oid: str) -> Response:
+def lfs_object(server: ServerContext, req: Request, org: str, name: str, oid: str) -> Response:
     """The CDN side of an LFS redirect: the object's bytes, plus the metadata the HEAD carried."""
     repo = repo_or_404(server, org, name)
     if not is_sha256(oid):
@@ -68,9 +74,13 @@ def lfs_object(server: MirrorServer, req: Request, org: str, name: str, oid: str
 
 
 def _lfs_size(repo: GitRepo, oid: str, path: str, commit: str) -> int:
-    """Size of the stored LFS object; EntryNotFound when the mirror lacks it."""
+    """Size of the stored LFS object; EntryNotFound when the mirror lacks it. A link in its place
+    is treated as missing: the server does not follow links out of the mirror."""
     try:
-        return os.stat(object_path(repo.gitdir, oid)).st_size
+        st = os.lstat(object_path(repo.gitdir, oid))
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError("not a regular file")
+        return st.st_size
     except OSError:
         raise HubError(
             404,
@@ -82,7 +92,7 @@ def _lfs_size(repo: GitRepo, oid: str, path: str, commit: str) -> int:
 
 
 def _lfs_content(
-    server: MirrorServer,
+    server: ServerContext,
     req: Request,
     repo: GitRepo,
     repo_id: str,
@@ -97,7 +107,8 @@ def _lfs_content(
     headers["Content-Type"] = _content_type(path)
     data = None
     if req.method == "GET" and server.file_hook is not None:
-        data = server.file_hook(repo_id, commit, path, location.read_bytes())
+        with _open_object(location) as f:
+            data = server.file_hook(repo_id, commit, path, f.read())
     etags = {pointer.oid, headers["ETag"].strip('"')}
     return _content(req, headers, etags, size, data, _file_stream(location))
 
@@ -140,12 +151,18 @@ def _blob_stream(repo: GitRepo, oid: str) -> Callable[[int, int], Stream]:
 def _file_stream(location: Path) -> Callable[[int, int], Stream]:
     def make(start: int, length: int) -> Stream:
         def send(sock: socket.socket, _write: Callable[[bytes], Any]) -> None:
-            with open(location, "rb") as f:
+            with _open_object(location) as f:
                 sock.sendfile(f, offset=start, count=length)
 
         return send
 
     return make
+
+
+def _open_object(location: Path):
+    """An LFS object opened without following a link in its place (swapped in after the size
+    check)."""
+    return os.fdopen(os.open(location, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
 
 
 class _Unsatisfiable(Exception):

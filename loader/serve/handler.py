@@ -6,19 +6,16 @@ inside a route becomes a JSON 500; tracebacks go to the server's stderr, never t
 
 from __future__ import annotations
 
+import hmac
 import json
 import sys
 import traceback
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 from .faults import reset_connection
-from .protocol import Request, Response, json_response
+from .protocol import Request, Response, ServerContext, json_response
 from .routes import dispatch
-
-if TYPE_CHECKING:
-    from .server import MirrorServer
 
 CONTROL_PREFIX = "/_mirror/"
 _DRAIN_LIMIT = 1 << 20  # request bodies up to this size are read and dropped, larger ones close
@@ -32,7 +29,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
     timeout = 120  # seconds an idle keep-alive connection is kept open
 
     @property
-    def mirror_server(self) -> MirrorServer:
+    def mirror_server(self) -> ServerContext:
         return self.server.mirror_server  # type: ignore[attr-defined]
 
     def do_GET(self) -> None:
@@ -50,7 +47,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
         raw_path, _, query = self.path.partition("?")
         control = raw_path.startswith(CONTROL_PREFIX)
         if not control:
-            self.mirror_server._record(self.command, self.path)
+            self.mirror_server.record_request(self.command, self.path)
         self._drain_body()
         try:
             if control:
@@ -84,11 +81,18 @@ class MirrorHandler(BaseHTTPRequestHandler):
         self._send(response)
 
     def _control(self, path: str) -> Response:
-        """The test-facing request log: GET /_mirror/requests, POST /_mirror/requests/reset."""
+        """The request log: GET /_mirror/requests, POST /_mirror/requests/reset; only for a client
+        that shows the server's control token (none set: no client), else an unknown route."""
         server = self.mirror_server
+        token = server.control_token
+        shown = self.headers.get("X-Mirror-Token") or ""
+        if token is None or not hmac.compare_digest(shown.encode(), token.encode()):
+            return json_response({"error": f"no such route: {path}"}, 404)
         if path == "/_mirror/requests" and self.command in ("GET", "HEAD"):
             log = server.requests
-            return json_response({"requests": [list(r) for r in log], "count": len(log)})
+            return json_response(
+                {"requests": [list(r) for r in log], "count": server.requests_total}
+            )
         if path == "/_mirror/requests/reset" and self.command == "POST":
             server.reset_requests()
             return json_response({"requests": [], "count": 0})

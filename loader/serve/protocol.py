@@ -1,4 +1,9 @@
-"""The Hub's request and response shapes, shared by the routes: typed 404s, JSON bodies."""
+"""The types every part of the server shares: the Hub's request and response shapes, typed 404s,
+JSON bodies, and `ServerContext`, what the routes and the handler may use of the server.
+
+This module imports no other part of the server except the repo readers, so the handler, the
+routes and the faults can all import it without an import circle back to `server`.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,22 @@ import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TextIO
 
 from .git import GitRepo
+from .mirror import Mirror
 
-if TYPE_CHECKING:
-    from .server import MirrorServer
-
+# The Hub's limit on an org or repo name; a longer one is simply not there (and never reaches the
+# filesystem, which would refuse a name over 255 bytes with an error).
+MAX_NAME_CHARS = 96
 REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space", "kernels": "kernel"}
 _TRUE = {"1", "true", "yes", "on"}
 
 # stream(sock, write): sends exactly the response's `length` bytes after the headers.
 Stream = Callable[[socket.socket, Callable[[bytes], Any]], None]
+# tree_hook(repo_id, commit, entries) -> entries; file_hook(repo_id, commit, path, data) -> data
+TreeHook = Callable[[str, str, list[dict[str, Any]]], list[dict[str, Any]]]
+FileHook = Callable[[str, str, str, bytes], bytes]
 
 
 @dataclass
@@ -41,6 +50,49 @@ class Response:
     body: bytes = b""
     length: int | None = None  # set (with `stream`) when the body is streamed
     stream: Stream | None = None
+
+
+class Fault(Protocol):
+    """One decided fault (kernels.serve.faults.Fault)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    def apply(self, response: Response) -> Response: ...
+
+
+class Faults(Protocol):
+    """A fault plan (kernels.serve.faults.FaultPlan)."""
+
+    def decide(self, method: str, path: str, response: Response) -> Fault | None: ...
+
+
+class ServerContext(Protocol):
+    """What the routes and the handler use of the server; MirrorServer is the implementation."""
+
+    mirror: Mirror
+    lfs_redirect: bool
+    tree_hook: TreeHook | None
+    file_hook: FileHook | None
+    faults: Faults | None
+    access_log: TextIO | None
+    control_token: str | None
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def netloc(self) -> str: ...
+
+    @property
+    def requests(self) -> list[tuple[str, str]]: ...
+
+    @property
+    def requests_total(self) -> int: ...
+
+    def reset_requests(self) -> None: ...
+
+    def record_request(self, method: str, target: str) -> None: ...
 
 
 class HubError(Exception):
@@ -75,8 +127,10 @@ def _header_safe(text: str) -> str:
     return " ".join(text.split()).encode("latin-1", "replace").decode("latin-1")
 
 
-def repo_or_404(server: MirrorServer, org: str, name: str) -> GitRepo:
+def repo_or_404(server: ServerContext, org: str, name: str) -> GitRepo:
     """The repo, or a RepoNotFound error."""
+    if len(org) > MAX_NAME_CHARS or len(name) > MAX_NAME_CHARS:
+        raise HubError(404, f"Repository not found: {org:.100}/{name:.100}", "RepoNotFound")
     repo = server.mirror.repo(org, name)
     if repo is None:
         raise HubError(404, f"Repository not found: {org}/{name}", "RepoNotFound")

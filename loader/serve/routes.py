@@ -13,18 +13,14 @@ Errors are 404s with the Hub's X-Error-Code / X-Error-Message headers, and a JSO
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 from .api import api
 from .files import lfs_object, resolve
-from .protocol import REPO_TYPES, HubError, Request, Response, route_not_found
-
-if TYPE_CHECKING:
-    from .server import MirrorServer
+from .protocol import REPO_TYPES, HubError, Request, Response, ServerContext, route_not_found
 
 
-def dispatch(server: MirrorServer, req: Request) -> Response:
+def dispatch(server: ServerContext, req: Request) -> Response:
     """Answer one GET or HEAD request."""
     try:
         return _route(server, req)
@@ -32,7 +28,7 @@ def dispatch(server: MirrorServer, req: Request) -> Response:
         return err.response()
 
 
-def _route(server: MirrorServer, req: Request) -> Response:
+def _route(server: ServerContext, req: Request) -> Response:
     segs = req.path.split("/")[1:]
     if segs[0] == "api":
         return api(server, req, segs[1:])

@@ -7,7 +7,7 @@ import shutil
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections import deque
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from socketserver import TCPServer
@@ -16,14 +16,21 @@ from typing import Any, TextIO
 from .faults import FaultPlan
 from .handler import MirrorHandler
 from .mirror import Mirror
+from .protocol import FileHook, TreeHook
 
-TreeHook = Callable[[str, str, list[dict[str, Any]]], list[dict[str, Any]]]
-FileHook = Callable[[str, str, str, bytes], bytes]
+# The request log keeps the newest LOG_CAPACITY requests, each target cut at LOG_TARGET_CHARS:
+# a few MiB at most, however long the server runs or however long the URLs a client sends.
+LOG_CAPACITY = 10_000
+LOG_TARGET_CHARS = 1024
+# Connections the kernel queues before `accept` (socketserver's default is 5, which made clients
+# of a cluster starting at once time out); the kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 1024
 
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, address: tuple[str, int], mirror_server: MirrorServer):
         self.mirror_server = mirror_server
@@ -73,6 +80,11 @@ class MirrorServer:
     keeps describing the true content); `lfs_redirect` picks a CDN-style 302 or inline LFS bytes;
     `root` re-points the server at another folder (with fresh caches); `faults` (a FaultPlan, see
     kernels.serve.faults) makes the server misbehave on purpose.
+
+    The request log (`requests`, `reset_requests()`, bounded: LOG_CAPACITY entries) is for the
+    process that owns the server. Over HTTP it exists only when `control_token` is set: then
+    `GET /_mirror/requests` and `POST /_mirror/requests/reset` answer requests that carry the
+    header `X-Mirror-Token: <token>`, and every other client gets the 404 of an unknown route.
     """
 
     def __init__(
@@ -82,6 +94,7 @@ class MirrorServer:
         port: int = 0,
         lfs_redirect: bool = True,
         access_log: TextIO | None = None,
+        control_token: str | None = None,
     ):
         if shutil.which("git") is None:
             raise FileNotFoundError("kernels serve needs the `git` executable on PATH")
@@ -91,7 +104,9 @@ class MirrorServer:
         self.file_hook: FileHook | None = None
         self.faults: FaultPlan | None = None
         self.access_log = access_log
-        self._log: list[tuple[str, str]] = []
+        self.control_token = control_token or None
+        self._log: deque[tuple[str, str]] = deque(maxlen=LOG_CAPACITY)
+        self._log_total = 0
         self._log_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._httpd = _HTTPServer((host.strip("[]"), port), self)
@@ -155,17 +170,29 @@ class MirrorServer:
 
     @property
     def requests(self) -> list[tuple[str, str]]:
-        """(method, request target) of every request so far, oldest first; control routes excluded."""
+        """(method, request target) of the requests since the last reset, oldest first (the newest
+        LOG_CAPACITY of them; targets cut at LOG_TARGET_CHARS); control routes excluded."""
         with self._log_lock:
             return list(self._log)
+
+    @property
+    def requests_total(self) -> int:
+        """How many requests were recorded since the last reset, including those the log dropped."""
+        with self._log_lock:
+            return self._log_total
 
     def reset_requests(self) -> None:
         with self._log_lock:
             self._log.clear()
+            self._log_total = 0
 
-    def _record(self, method: str, target: str) -> None:
+    def record_request(self, method: str, target: str) -> None:
+        """Add one request to the log (the handler calls it; control routes are not recorded)."""
+        if len(target) > LOG_TARGET_CHARS:
+            target = target[:LOG_TARGET_CHARS] + "..."
         with self._log_lock:
             self._log.append((method, target))
+            self._log_total += 1
 
 
 def is_loopback(host: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from kernels.serve import GitRepoWriter
 
 SERVING = re.compile(r"^serving (?P<dir>.+) on (?P<url>http://\S+)$")
+TOKEN = "serve-cli-test-token"
 
 
 def start(*args: str) -> subprocess.Popen:
@@ -21,6 +23,7 @@ def start(*args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "KERNELS_SERVE_TOKEN": TOKEN},  # opens the request log over HTTP
     )
 
 
@@ -33,8 +36,9 @@ def serving_url(proc: subprocess.Popen) -> str:
     return match["url"]
 
 
-def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=10) as resp:
+def get_json(url: str, headers: dict | None = None):
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=10) as resp:
         return json.loads(resp.read())
 
 
@@ -47,7 +51,8 @@ def test_cli_serves_and_stops_on_signal(tmp_path, sig):
         assert url.startswith("http://127.0.0.1:")
         refs = get_json(f"{url}/api/kernels/org/relu/refs")
         assert refs["branches"] == [{"name": "main", "ref": "refs/heads/main", "targetCommit": sha}]
-        assert get_json(f"{url}/_mirror/requests")["count"] == 1
+        log = get_json(f"{url}/_mirror/requests", {"X-Mirror-Token": TOKEN})
+        assert log["count"] == 1
         proc.send_signal(sig)
         assert proc.wait(timeout=10) == 0
     finally:

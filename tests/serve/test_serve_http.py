@@ -235,15 +235,20 @@ def test_empty_repo_exists_without_a_sha(hub):
 
 
 def test_control_routes_are_not_counted(hub, relu):
-    call(hub.url, "GET", f"/{REPO}/resolve/main/README.md")
-    _, data = call(hub.url, "GET", "/_mirror/requests")
-    log = json.loads(data)
-    assert log == {"requests": [["GET", f"/{REPO}/resolve/main/README.md"]], "count": 1}
-    resp, _ = call(hub.url, "POST", "/_mirror/requests/reset")
-    assert resp.status == 200
-    _, data = call(hub.url, "GET", "/_mirror/requests")
-    assert json.loads(data)["count"] == 0
-    assert hub.requests == []
+    hub.server.control_token = "t0ken"
+    token = {"X-Mirror-Token": "t0ken"}
+    try:
+        call(hub.url, "GET", f"/{REPO}/resolve/main/README.md")
+        _, data = call(hub.url, "GET", "/_mirror/requests", token)
+        log = json.loads(data)
+        assert log == {"requests": [["GET", f"/{REPO}/resolve/main/README.md"]], "count": 1}
+        resp, _ = call(hub.url, "POST", "/_mirror/requests/reset", token)
+        assert resp.status == 200
+        _, data = call(hub.url, "GET", "/_mirror/requests", token)
+        assert json.loads(data)["count"] == 0
+        assert hub.requests == []
+    finally:
+        hub.server.control_token = None
 
 
 def test_shutdown_is_fast_and_closes_keep_alive_connections(tmp_path):
