@@ -14,18 +14,20 @@ import functools
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 from kernels.cache import Cache, FileEntry, Manifest
 
-from . import local_kernels, python_deps, settings, versions
+from . import local_kernels, python_deps, settings, status, versions
 from .errors import (
     HubUnavailable,
     IntegrityError,
     InvalidMetadata,
     KernelNotFound,
+    KernelStatusError,
     NoCompatibleVariant,
     OfflineCacheMiss,
     RevisionNotFound,
@@ -61,6 +63,9 @@ __all__ = [
 
 class _NeedNetwork(Exception):
     """The cache alone cannot answer; retry with the Hub (under the repo lock)."""
+
+
+_redirects_warned: set[tuple[str, str]] = set()  # (repo, commit): warn once per process
 
 
 @dataclass(frozen=True)
@@ -113,9 +118,11 @@ def _run(
     check_arch: bool = True,
     validate_deps: bool = False,
     progress=None,
+    hops: int = 0,
 ) -> Installed:
     """One pass of resolve/fetch/select. Without `network`, raise _NeedNetwork where the cache
-    cannot answer (or OfflineCacheMiss when `offline`)."""
+    cannot answer (or OfflineCacheMiss when `offline`). A repo whose kernel-status.toml
+    redirects is replaced by its destination (`hops` counts the redirects followed)."""
     assert spec.repo_id is not None
     repo_id = spec.repo_id
     ttl = settings.resolve_ttl()
@@ -146,6 +153,31 @@ def _run(
             ensure_trusted(cache, repo_id, trust_remote_code, offline=True)
         except Exception:
             raise _NeedNetwork from None
+    try:
+        redirect = status.lookup(cache, repo_id, commit, network=None if offline else network)
+    except status.NeedNetwork:
+        raise _NeedNetwork from None
+    if redirect is not None:
+        if hops >= status.MAX_HOPS:
+            raise KernelStatusError(f"{what}: more than {status.MAX_HOPS} kernel-status redirects")
+        if (repo_id, commit) not in _redirects_warned:
+            _redirects_warned.add((repo_id, commit))
+            warnings.warn(
+                f"'{repo_id}' redirected to '{redirect.destination}'", UserWarning, stacklevel=4
+            )
+        target = make_spec(redirect.destination, revision=redirect.revision)
+        return _run(
+            cache,
+            target,
+            system,
+            trust_remote_code,
+            network=network,
+            offline=offline,
+            check_arch=check_arch,
+            validate_deps=validate_deps,
+            progress=progress,
+            hops=hops + 1,
+        )
     try:
         listing = get_listing(cache, repo_id, commit, offline=offline or not network)
     except OfflineCacheMiss:

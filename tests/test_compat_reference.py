@@ -22,6 +22,7 @@ from kernels import (
     Benchmark,
     FuncRepository,
     KernelNotFound,
+    KernelStatusError,
     LayerRepository,
     LoadedKernel,
     LocalLayerRepository,
@@ -37,7 +38,7 @@ from kernels import (
     kernelize,
 )
 
-from tests.kernel_repos import kernel_files, metadata
+from tests.kernel_repos import kernel_files, metadata, run_python
 
 # The reference 0.17.2's `kernels.__all__`.
 REFERENCE_ALL = [
@@ -204,7 +205,7 @@ def test_unsupported_dependency_is_refused_before_the_download(hub):
         with pytest.raises(ValueError, match=r"Kernel module `dep_kernel` uses.*numpy"):
             call()
         # Only metadata.json was ever downloaded (the second call finds it cached).
-        fetched = [p for _m, p in _requests(hub) if "/resolve/" in p]
+        fetched = [p for _m, p in _requests(hub) if "/build/" in p and "/resolve/" in p]
         assert all(p.endswith("/metadata.json") for p in fetched), fetched
     cache = Path(os.environ["KERNELS_CACHE"])
     assert not list(cache.glob("v1/trees/*"))  # nothing installed
@@ -369,3 +370,50 @@ def test_metadata_json_extra_fields_do_not_break_loading(tmp_path):
     (record,) = [k for k in get_loaded_kernels() if k.path == folder / "build/torch-universal"]
     assert record.metadata.upstream == "https://example.invalid/up"
     assert json.loads((folder / "build/torch-universal/metadata.json").read_text())["source"]
+
+
+# -- 9. kernel-status.toml redirects ----------------------------------------------------------
+
+
+def _redirect(destination: str, revision: str | None = None, kind: str = "redirect") -> str:
+    lines = [f'kind = "{kind}"', f'destination = "{destination}"']
+    if revision is not None:
+        lines.append(f'revision = "{revision}"')
+    return "\n".join(lines) + "\n"
+
+
+def test_status_redirect_loads_the_destination(hub, versions):
+    hub.writer("kernels-test/old").commit(
+        {"kernel-status.toml": _redirect(REPO, "v2"), "README.md": "moved\n"}, branch="v1"
+    )
+    with pytest.warns(
+        UserWarning, match="'kernels-test/old' redirected to 'kernels-test/versions'"
+    ):
+        assert get_kernel("kernels-test/old", version=1).VALUE == 2
+    assert install_kernel("kernels-test/old", version=1).parent.parent.name == versions[2]
+    assert has_kernel("kernels-test/old", version=1)
+    # A warm load in a new process reads the recorded status: zero requests.
+    hub.reset_requests()
+    out = run_python(
+        "import kernels; print(kernels.get_kernel('kernels-test/old', version=1).VALUE)"
+    )
+    assert out.stdout.strip() == "2", out.stderr
+    assert _requests(hub) == []
+
+
+def test_status_file_errors(hub, versions):
+    hub.writer("kernels-test/odd").commit(
+        {"kernel-status.toml": _redirect(REPO, kind="retired")}, branch="v1"
+    )
+    with pytest.raises(ValueError, match="Unknown kernel status kind"):
+        get_kernel("kernels-test/odd", version=1)
+    hub.writer("kernels-test/ping").commit(
+        {"kernel-status.toml": _redirect("kernels-test/pong", "v1")}, branch="v1"
+    )
+    hub.writer("kernels-test/pong").commit(
+        {"kernel-status.toml": _redirect("kernels-test/ping", "v1")}, branch="v1"
+    )
+    with pytest.raises(KernelStatusError, match="redirects"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            get_kernel("kernels-test/ping", version=1)
