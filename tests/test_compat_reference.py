@@ -417,3 +417,47 @@ def test_status_file_errors(hub, versions):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             get_kernel("kernels-test/ping", version=1)
+
+
+# -- 9. metadata.json digests (kernels.verify) -------------------------------------------------
+
+# kernel-builder's own test vector: sha256("hello world"), base64.
+HELLO_SHA256 = "uU0nuZNNPgilLlLX2n2r+sSE7+N6U4DukIj3rOLvzek="
+
+
+def _digest_variant(tmp_path: Path, files: dict[str, str] | None) -> Path:
+    folder = tmp_path / "torch-universal"
+    folder.mkdir()
+    (folder / "_extension.so").write_bytes(b"hello world")
+    extra = {} if files is None else {"digest": {"algorithm": "sha256", "files": files}}
+    (folder / "metadata.json").write_text(metadata("dep-kernel", **extra))
+    return folder
+
+
+def test_verify_digest(tmp_path):
+    from kernels.verify import VerificationResult, verify_digest, verify_variant
+
+    folder = _digest_variant(tmp_path, {"_extension.so": HELLO_SHA256})
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"ignored")
+    assert verify_digest(folder) == VerificationResult.Success()
+
+    (folder / "_extension.so").write_bytes(b"hello world!")
+    (folder / "extra.py").write_text("x = 1\n")
+    result = verify_digest(folder)
+    assert isinstance(result, VerificationResult.DigestVerificationFailure)
+    assert [(v.kind, v.path) for v in result.violations] == [
+        ("mismatch", "_extension.so"),
+        ("unknown", "extra.py"),
+    ]
+    (folder / "_extension.so").unlink()
+    assert [v.kind for v in verify_digest(folder).violations] == ["missing", "unknown"]
+
+    (tmp_path / "b").mkdir()
+    bare = _digest_variant(tmp_path / "b", None)
+    assert verify_digest(bare) == VerificationResult.DigestMissing()
+    assert verify_digest(tmp_path / "nowhere") == VerificationResult.MetadataMissing()
+    # Signatures are not verified here: the answer fails closed, never Success.
+    assert verify_variant(folder) == VerificationResult.SignatureBundleMissing()
+    (folder / "metadata.json.sigstore").write_text("{}")
+    assert isinstance(verify_variant(folder), VerificationResult.SignatureVerificationFailure)
