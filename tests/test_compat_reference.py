@@ -440,6 +440,7 @@ def test_verify_digest(tmp_path):
     folder = _digest_variant(tmp_path, {"_extension.so": HELLO_SHA256})
     (folder / "__pycache__").mkdir()
     (folder / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"ignored")
+    (folder / "stray.pyc").write_bytes(b"ignored too")
     assert verify_digest(folder) == VerificationResult.Success()
 
     (folder / "_extension.so").write_bytes(b"hello world!")
