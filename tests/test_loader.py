@@ -248,19 +248,12 @@ def test_listing_with_path_traversal_is_refused_and_cache_unchanged(hub, relu):
     kernels.get_kernel("kernels-test/relu", version=2)  # a cache with content in it
     hub.server.tree_hook = hook
     cache_root = os.environ["KERNELS_CACHE"]
-    # Resolution records, trust records and lock files may be written; no content may be.
-    before = sorted(
-        p
-        for p in _walk(cache_root)
-        if "/locks/" not in p and "/refs/" not in p and "/trust/" not in p
-    )
+    # Resolution, trust and kernel-status records and lock files may be written; no content.
+    records = ("/locks/", "/refs/", "/trust/", "/kernel-status/")
+    before = sorted(p for p in _walk(cache_root) if not any(r in p for r in records))
     with pytest.raises(IntegrityError, match="unsafe"):
         kernels.get_kernel("kernels-test/relu", version=1)
-    after = sorted(
-        p
-        for p in _walk(cache_root)
-        if "/locks/" not in p and "/refs/" not in p and "/trust/" not in p
-    )
+    after = sorted(p for p in _walk(cache_root) if not any(r in p for r in records))
     assert before == after
 
 
