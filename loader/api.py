@@ -406,7 +406,7 @@ def get_kernel(
         found.metadata,
         found.manifest.digest,
         variant=found.variant,
-        repo_info=RepoInfo(repo_id, found.resolution.commit),
+        repo_info=RepoInfo(found.resolution.repo_id, found.resolution.commit),
         deps=_deps(found.metadata, backend, trust_remote_code),
     )
     with _memo_lock:
@@ -459,7 +459,9 @@ def install_kernel(
         check_python_depends(
             found.metadata, f"{repo_id} ({found.variant})", backend=_backend(backend)
         )
-    return snapshot_link(cache, spec.repo_id, found.resolution.commit, found.variant, found.tree)
+    return snapshot_link(
+        cache, found.resolution.repo_id, found.resolution.commit, found.variant, found.tree
+    )
 
 
 def _backend(backend: str | None) -> str:

@@ -389,8 +389,13 @@ def test_status_redirect_loads_the_destination(hub, versions):
     with pytest.warns(
         UserWarning, match="'kernels-test/old' redirected to 'kernels-test/versions'"
     ):
-        assert get_kernel("kernels-test/old", version=1).VALUE == 2
-    assert install_kernel("kernels-test/old", version=1).parent.parent.name == versions[2]
+        module = get_kernel("kernels-test/old", version=1)
+    assert module.VALUE == 2
+    # The record names what was loaded: the destination at its commit.
+    (record,) = [k for k in get_loaded_kernels() if k.module is module]
+    assert (record.repo_info.repo_id, record.repo_info.revision) == (REPO, versions[2])
+    snapshot = install_kernel("kernels-test/old", version=1).parent.parent
+    assert (snapshot.parent.name, snapshot.name) == ("kernels-test--versions", versions[2])
     assert has_kernel("kernels-test/old", version=1)
     # A warm load in a new process reads the recorded status: zero requests.
     hub.reset_requests()
