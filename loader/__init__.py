@@ -29,6 +29,7 @@ _EXPORTS = {
     "Metadata": "metadata",
     "VariantAccepted": "variants",
     "VariantRejected": "variants",
+    "Benchmark": "benchmark",
     # binding layers to models
     "Mode": "layers",
     "Device": "layers",
@@ -70,6 +71,11 @@ _EXPORTS = {
     "LockfileError": "errors",
     "CacheError": "errors",
     "LayerError": "errors",
+    "MissingDependency": "errors",
+    "VersionNotFound": "errors",
+    "UnsupportedDependency": "errors",
+    "LocalKernelsError": "errors",
+    "KernelStatusError": "errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]

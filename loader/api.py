@@ -11,20 +11,23 @@ process returns the already imported module without touching the disk.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 from kernels.cache import Cache, FileEntry, Manifest
 
-from . import settings
+from . import local_kernels, python_deps, settings, status, versions
 from .errors import (
     HubUnavailable,
     IntegrityError,
     InvalidMetadata,
     KernelNotFound,
+    KernelStatusError,
     NoCompatibleVariant,
     OfflineCacheMiss,
     RevisionNotFound,
@@ -37,7 +40,13 @@ from .importer import get_kernel_dep as get_kernel_dep
 from .metadata import Metadata
 from .notices import notice_once
 from .resolve import Resolution, resolve
-from .select import check_metadata, check_native, check_python_depends, no_variant_error, reject
+from .select import (
+    check_metadata,
+    check_native,
+    check_python_depends,
+    no_variant_error,
+    reject,
+)
 from .spec import KernelSpec, make_spec
 from .trust import TrustArg, dependency_trust, ensure_trusted
 from .variants import SystemInfo, VariantAccepted, detect_system, select_variants
@@ -55,6 +64,9 @@ __all__ = [
 
 class _NeedNetwork(Exception):
     """The cache alone cannot answer; retry with the Hub (under the repo lock)."""
+
+
+_redirects_warned: set[tuple[str, str]] = set()  # (repo, commit): warn once per process
 
 
 @dataclass(frozen=True)
@@ -105,10 +117,13 @@ def _run(
     network: bool,
     offline: bool,
     check_arch: bool = True,
+    validate_deps: bool = False,
     progress=None,
+    hops: int = 0,
 ) -> Installed:
     """One pass of resolve/fetch/select. Without `network`, raise _NeedNetwork where the cache
-    cannot answer (or OfflineCacheMiss when `offline`)."""
+    cannot answer (or OfflineCacheMiss when `offline`). A repo whose kernel-status.toml
+    redirects is replaced by its destination (`hops` counts the redirects followed)."""
     assert spec.repo_id is not None
     repo_id = spec.repo_id
     ttl = settings.resolve_ttl()
@@ -140,6 +155,31 @@ def _run(
         except Exception:
             raise _NeedNetwork from None
     try:
+        redirect = status.lookup(cache, repo_id, commit, network=None if offline else network)
+    except status.NeedNetwork:
+        raise _NeedNetwork from None
+    if redirect is not None:
+        if hops >= status.MAX_HOPS:
+            raise KernelStatusError(f"{what}: more than {status.MAX_HOPS} kernel-status redirects")
+        if (repo_id, commit) not in _redirects_warned:
+            _redirects_warned.add((repo_id, commit))
+            warnings.warn(
+                f"'{repo_id}' redirected to '{redirect.destination}'", UserWarning, stacklevel=4
+            )
+        target = make_spec(redirect.destination, revision=redirect.revision)
+        return _run(
+            cache,
+            target,
+            system,
+            trust_remote_code,
+            network=network,
+            offline=offline,
+            check_arch=check_arch,
+            validate_deps=validate_deps,
+            progress=progress,
+            hops=hops + 1,
+        )
+    try:
         listing = get_listing(cache, repo_id, commit, offline=offline or not network)
     except OfflineCacheMiss:
         if offline:
@@ -167,12 +207,24 @@ def _run(
                     skipped_uncached.append(variant)
                     continue
                 raise _NeedNetwork
-            found = _install(cache, repo_id, commit, variant, listing, system, check_arch, progress)
+            found = _install(
+                cache,
+                repo_id,
+                commit,
+                variant,
+                listing,
+                system,
+                check_arch,
+                validate_deps,
+                progress,
+            )
             if isinstance(found, str):
                 trace = reject(trace, variant, found)
                 continue
         manifest, tree = found
         metadata = Metadata.read(tree / "metadata.json")
+        if validate_deps:
+            python_deps.check_allowed(metadata, system.backend)
         reason = check_metadata(metadata, system, check_arch=check_arch) or check_native(tree)
         if reason:
             trace = reject(trace, variant, reason)
@@ -192,8 +244,14 @@ def _run(
     raise no_variant_error(what, system, trace)
 
 
-def _install(cache, repo_id, commit, variant, listing: Listing, system, check_arch, progress):
-    """Install one variant; returns (manifest, tree), or a rejection reason string."""
+def _install(
+    cache, repo_id, commit, variant, listing: Listing, system, check_arch, validate_deps, progress
+):
+    """Install one variant; returns (manifest, tree), or a rejection reason string.
+
+    With `validate_deps`, a dependency outside the allow-list raises UnsupportedDependency once
+    metadata.json is in, before the rest of the variant is downloaded (as the reference does).
+    """
     files = listing.variants[variant]
     if not any(f.path == "metadata.json" for f in files):
         return "no metadata.json in this variant"
@@ -202,6 +260,8 @@ def _install(cache, repo_id, commit, variant, listing: Listing, system, check_ar
         metadata = Metadata.from_bytes(
             data, where=f"{repo_id}@{commit[:12]}/{variant}/metadata.json"
         )
+        if validate_deps:
+            python_deps.check_allowed(metadata, system.backend)
         reason = check_metadata(metadata, system, check_arch=check_arch)
         if reason:
             raise _Rejected(reason)
@@ -224,12 +284,13 @@ def _ensure_installed(
     backend: str | None,
     trust_remote_code: TrustArg,
     check_arch: bool = True,
+    validate_deps: bool = False,
     progress=None,
 ) -> Installed:
     cache = _cache()
     system = _system(backend)
     offline = settings.offline()
-    kwargs = dict(check_arch=check_arch, progress=progress)
+    kwargs = dict(check_arch=check_arch, validate_deps=validate_deps, progress=progress)
     try:
         return _run(
             cache, spec, system, trust_remote_code, network=False, offline=offline, **kwargs
@@ -244,10 +305,16 @@ def _ensure_installed(
             )
         except _NeedNetwork:
             pass
+        first_resolution = cache.records.get(spec.repo_id, spec.ref) is None
         try:
-            return _run(
+            found = _run(
                 cache, spec, system, trust_remote_code, network=True, offline=False, **kwargs
             )
+            if spec.version is not None and first_resolution and found.resolution.networked:
+                # Only when this cache first resolves the version with the Hub: warm loads and
+                # TTL re-checks keep their request counts (zero and one).
+                versions.warn_if_outdated(spec.repo_id, spec.version)
+            return found
         except HubUnavailable as exc:
             try:
                 found = _run(
@@ -326,23 +393,32 @@ def get_kernel(
     """Load a kernel from the Hub (or the cache) and return its module.
 
     Exactly one of `version` (the branch 'v<N>') and `revision` (a branch, tag or commit) is
-    required. Raises the typed errors of kernels.errors.
+    required. A repo id mapped by LOCAL_KERNELS loads from that folder instead. The kernel's
+    Python dependencies must be on the allow-list (checked before the variant is downloaded) and
+    installed. Raises the typed errors of kernels.errors.
     """
     spec = make_spec(repo_id, revision=revision, version=version)
+    local = local_kernels.override_for(repo_id)
+    if local is not None:
+        return get_local_kernel(local, backend=backend)
     key = _memo_key(spec, backend, trust_remote_code, check_arch)
     module = _memo_get(key, spec.pinned)
     if module is not None:
         return module
     found = _ensure_installed(
-        spec, backend=backend, trust_remote_code=trust_remote_code, check_arch=check_arch
+        spec,
+        backend=backend,
+        trust_remote_code=trust_remote_code,
+        check_arch=check_arch,
+        validate_deps=True,
     )
-    check_python_depends(found.metadata, f"{repo_id} ({found.variant})")
+    check_python_depends(found.metadata, f"{repo_id} ({found.variant})", backend=_backend(backend))
     loaded = import_tree(
         found.tree,
         found.metadata,
         found.manifest.digest,
         variant=found.variant,
-        repo_info=RepoInfo(repo_id, found.resolution.commit),
+        repo_info=RepoInfo(found.resolution.repo_id, found.resolution.commit),
         deps=_deps(found.metadata, backend, trust_remote_code),
     )
     with _memo_lock:
@@ -359,19 +435,72 @@ def install_kernel(
     local_files_only: bool = False,
     user_agent: str | dict | None = None,
     trust_remote_code: TrustArg = False,
+    validate_dependencies: bool = False,
     progress=None,
 ) -> Path:
-    """Download and verify the variant that fits this machine; return its folder. No import."""
+    """Download and verify the variant that fits this machine; return its folder. No import.
+
+    The folder has the reference's layout, `<snapshot>/build/<variant>`, so that
+    `path.parent.parent` is a repo root that `get_local_kernel` and `LocalLayerRepository`
+    accept: `<cache>/v1/snapshots/<org>--<name>/<commit>/build/<variant>` is a link to the
+    verified tree in the cache (the tree itself where links cannot be made). With
+    `validate_dependencies`, the kernel's Python dependencies are checked against the allow-list
+    before the variant is downloaded, and for being installed.
+    """
     spec = make_spec(repo_id, revision=revision, version=version)
+    cache = _cache()
     if local_files_only:
         found = _run(
-            _cache(), spec, _system(backend), trust_remote_code, network=False, offline=True
+            cache,
+            spec,
+            _system(backend),
+            trust_remote_code,
+            network=False,
+            offline=True,
+            validate_deps=validate_dependencies,
         )
     else:
         found = _ensure_installed(
-            spec, backend=backend, trust_remote_code=trust_remote_code, progress=progress
+            spec,
+            backend=backend,
+            trust_remote_code=trust_remote_code,
+            validate_deps=validate_dependencies,
+            progress=progress,
         )
-    return found.tree
+    if validate_dependencies:
+        check_python_depends(
+            found.metadata, f"{repo_id} ({found.variant})", backend=_backend(backend)
+        )
+    return snapshot_link(
+        cache, found.resolution.repo_id, found.resolution.commit, found.variant, found.tree
+    )
+
+
+def _backend(backend: str | None) -> str:
+    return _system(backend).backend
+
+
+def snapshot_link(cache: Cache, repo_id: str, commit: str, variant: str, tree: Path) -> Path:
+    """`<cache>/v1/snapshots/<org>--<name>/<commit>/build/<variant>`, a relative symlink to the
+    verified `tree`; `tree` itself when the link cannot be made (read-only cache, no symlinks).
+
+    The link holds no bytes of its own: what it shows is the tree the load path verified, and a
+    pruned tree leaves a dangling link that the next install_kernel repoints.
+    """
+    build = cache.base / "snapshots" / repo_id.replace("/", "--") / commit / "build"
+    link = build / variant
+    try:
+        target = os.path.relpath(tree, build)
+        if link.is_symlink() and os.readlink(link) == target:
+            return link
+        build.mkdir(parents=True, exist_ok=True)
+        staged = build / f".tmp-{variant}-{os.getpid()}-{threading.get_ident()}"
+        staged.unlink(missing_ok=True)
+        os.symlink(target, staged, target_is_directory=True)
+        os.replace(staged, link)  # atomic: a reader sees the old link or the new one
+    except (OSError, NotImplementedError, ValueError):
+        return tree
+    return link
 
 
 def install_with_details(
@@ -396,8 +525,18 @@ def has_kernel(
     trust_remote_code: TrustArg = False,
     check_arch: bool = True,
 ) -> bool:
-    """True if the kernel exists and has a variant that can run here (downloads it)."""
+    """True if the kernel exists and has a variant that can run here (downloads it).
+
+    A repo id mapped by LOCAL_KERNELS is answered from that folder.
+    """
     spec = make_spec(repo_id, revision=revision, version=version)
+    local = local_kernels.override_for(repo_id)
+    if local is not None:
+        try:
+            _local_variant(Path(local).expanduser().resolve(), _system(backend))
+        except (KernelNotFound, NoCompatibleVariant, InvalidMetadata):
+            return False
+        return True
     try:
         _ensure_installed(
             spec, backend=backend, trust_remote_code=trust_remote_code, check_arch=check_arch
@@ -446,18 +585,12 @@ def _local_manifest(folder: Path) -> Manifest:
     return Manifest(tuple(entries))
 
 
-def get_local_kernel(
-    repo_path: Path | str,
-    *,
-    backend: str | None = None,
-    trust_remote_code: TrustArg = False,
-    user_agent: str | dict | None = None,
-) -> ModuleType:
-    """Import a kernel from a local folder: the repo root, its build/, or one variant folder."""
-    repo_path = Path(repo_path).expanduser().resolve()
+def _local_variant(repo_path: Path, system: SystemInfo) -> tuple[Path, Metadata, str]:
+    """(folder, metadata, variant name) of the best variant of a local kernel for `system`."""
     if not repo_path.is_dir():
-        raise KernelNotFound(f"{repo_path}: no such folder", hint="pass the path of a kernel repo")
-    system = _system(backend)
+        raise KernelNotFound(
+            f"Could not find kernel in {repo_path}", hint="pass the path of a kernel repo"
+        )
     variants, single = _local_variant_dirs(repo_path)
     if single:
         trace = [VariantAccepted(next(iter(variants)), preferred=True)]
@@ -480,14 +613,29 @@ def get_local_kernel(
                 raise no_variant_error(str(repo_path), system, reject(trace, entry.variant, reason))
             trace = reject(trace, entry.variant, reason)
             continue
-        check_python_depends(metadata, f"{repo_path} ({entry.variant})")
-        manifest = _local_manifest(folder)
-        loaded = import_tree(
-            folder,
-            metadata,
-            manifest.digest,
-            variant=entry.variant,
-            deps=_deps(metadata, backend, trust_remote_code),
-        )
-        return loaded.module
+        return folder, metadata, str(entry.variant)
     raise no_variant_error(str(repo_path), system, trace)
+
+
+def get_local_kernel(
+    repo_path: Path | str,
+    *,
+    backend: str | None = None,
+    trust_remote_code: TrustArg = False,
+    user_agent: str | dict | None = None,
+) -> ModuleType:
+    """Import a kernel from a local folder: the repo root, its build/, or one variant folder
+    (so also `install_kernel(...).parent.parent`)."""
+    repo_path = Path(repo_path).expanduser().resolve()
+    system = _system(backend)
+    folder, metadata, variant = _local_variant(repo_path, system)
+    check_python_depends(metadata, f"{repo_path} ({variant})", backend=system.backend)
+    manifest = _local_manifest(folder)
+    loaded = import_tree(
+        folder,
+        metadata,
+        manifest.digest,
+        variant=variant,
+        deps=_deps(metadata, backend, trust_remote_code),
+    )
+    return loaded.module

@@ -141,3 +141,36 @@ class InsufficientSpace(CacheError):
     """The files to download are larger than the free space of the cache's disk."""
 
     hint = "free disk space, or set KERNELS_CACHE to a folder on a larger disk"
+
+
+# -- drop-in subclasses: the exception types the reference `kernels` API raises ----------------
+
+
+class VersionNotFound(RevisionNotFound, ValueError):
+    """`version=N` names a major version (branch v<N>) the repo does not have.
+
+    A `RevisionNotFound` for this package's callers and a `ValueError` for code written against
+    the reference, which raises `ValueError("Version N not found, available versions: ...")`.
+    """
+
+    hint = "pass one of the versions listed above, or run `kernels versions org/repo`"
+
+
+class UnsupportedDependency(KernelsError, ValueError):
+    """A kernel declares a Python dependency outside the supported-dependency allow-list."""
+
+    hint = "the kernel's publisher must drop the dependency; only allow-listed packages may be used"
+
+
+class LocalKernelsError(KernelsError, ValueError):
+    """The LOCAL_KERNELS environment variable is malformed."""
+
+    hint = "set LOCAL_KERNELS to org/repo=/path/to/kernel entries separated by ':'"
+
+
+class KernelStatusError(KernelsError, ValueError):
+    """A repo's kernel-status.toml cannot be parsed or names an unknown status kind."""
+
+    hint = (
+        "the kernel repo is broken at this revision; pin an earlier revision or tell its publisher"
+    )

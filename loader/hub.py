@@ -25,7 +25,6 @@ from .errors import (
     HubUnavailable,
     KernelNotFound,
     KernelsError,
-    RevisionNotFound,
     UnsafeResponse,
 )
 
@@ -163,14 +162,17 @@ def _classify(exc: BaseException, what: str) -> BaseException:
     """Map a huggingface_hub / transport exception to ours (or to _Retryable)."""
     from huggingface_hub import errors as hf
 
+    from .hub_errors import repository_not_found, revision_not_found
+
     if isinstance(exc, KernelsError):
         return exc
     if isinstance(exc, hf.OfflineModeIsEnabled):
         return HubUnavailable(f"{what}: huggingface_hub is in offline mode")
+    # Both also huggingface_hub's own error, which callers of the reference API catch.
     if isinstance(exc, hf.RevisionNotFoundError):
-        return RevisionNotFound(f"{what}: no such revision")
+        return revision_not_found(f"{what}: no such revision", exc)
     if isinstance(exc, hf.RepositoryNotFoundError):  # also GatedRepoError, 401s
-        return KernelNotFound(f"{what}: repository not found (or not accessible)")
+        return repository_not_found(f"{what}: repository not found (or not accessible)", exc)
     if isinstance(exc, hf.RemoteEntryNotFoundError):
         return KernelNotFound(f"{what}: file not found")
     status = _status_of(exc)

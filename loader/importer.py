@@ -22,6 +22,7 @@ from types import ModuleType
 
 from .errors import InvalidMetadata
 from .metadata import Metadata
+from .select import warn_if_dirty
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,19 @@ class RepoInfo:
 
 @dataclass(frozen=True)
 class LoadedKernel:
+    """A kernel imported in this process.
+
+    The first three fields are the reference's (`metadata`, `module`, `repo_info`); the rest
+    are optional extras this package fills in: the variant name, its folder, and the content
+    digest of the verified tree.
+    """
+
     metadata: Metadata
     module: ModuleType
-    repo_info: RepoInfo | None
-    variant: str
-    path: Path
-    digest: str
+    repo_info: RepoInfo | None = None
+    variant: str | None = None
+    path: Path | None = None
+    digest: str | None = None
 
     def describe(self) -> str:
         origin = (
@@ -115,6 +123,7 @@ def import_tree(
                 _loaded[name] = existing
             return existing
         root = _package_root(tree, metadata)
+        warn_if_dirty(metadata, variant)  # once per build: later loads reuse the module
         _install_finders(root)
         init = root / "__init__.py"
         spec = importlib.util.spec_from_file_location(

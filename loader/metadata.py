@@ -26,9 +26,76 @@ class KernelDependency:
     version: int
 
 
+class KernelName(str):
+    """A kernel's `name`: a plain `str` that also has the reference's `python_name`."""
+
+    @property
+    def python_name(self) -> str:
+        """The name as a Python identifier (dashes become underscores)."""
+        return self.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class GitStatus:
+    """The git state a build was made from: the commit and whether the tree was dirty."""
+
+    commit: str
+    dirty: bool = False
+
+
+@dataclass(frozen=True)
+class KernelBuilderVersion:
+    """The kernel-builder that made the build; `git` is None when its revision is unknown."""
+
+    version: str
+    git: GitStatus | None = None
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Build provenance (metadata.json `provenance`), shaped as the reference exposes it."""
+
+    kernel_builder: KernelBuilderVersion
+    kernel: GitStatus | None = None
+
+    @property
+    def dirty(self) -> bool:
+        """True when the kernel source or the kernel-builder had uncommitted changes."""
+        builder = self.kernel_builder.git
+        return bool((builder is not None and builder.dirty) or (self.kernel and self.kernel.dirty))
+
+    def dirty_sources(self) -> list[str]:
+        """Which of "kernel source" and "kernel-builder" were built from a dirty tree."""
+        out = []
+        if self.kernel is not None and self.kernel.dirty:
+            out.append("kernel source")
+        if self.kernel_builder.git is not None and self.kernel_builder.git.dirty:
+            out.append("kernel-builder")
+        return out
+
+
+def _git_status(raw: object) -> GitStatus | None:
+    if not isinstance(raw, dict) or not isinstance(raw.get("commit"), str):
+        return None
+    return GitStatus(raw["commit"], raw.get("dirty") is True)
+
+
+def _provenance(raw: object) -> Provenance | None:
+    """Parse `provenance`; a malformed block reads as absent (it is advisory, never a reason
+    to refuse a kernel)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("kernel-builder"), dict):
+        return None
+    builder = raw["kernel-builder"]
+    version = builder.get("version")
+    return Provenance(
+        KernelBuilderVersion(str(version) if version is not None else "", _git_status(builder)),
+        _git_status(raw.get("kernel")),
+    )
+
+
 @dataclass(frozen=True)
 class Metadata:
-    name: str
+    name: KernelName
     id: str
     version: int
     license: str
@@ -41,6 +108,26 @@ class Metadata:
     @property
     def backend_type(self) -> str:
         return str(self.backend.get("type", ""))
+
+    # Optional fields the reference's Metadata exposes as attributes.
+    @property
+    def upstream(self) -> str | None:
+        value = self.raw.get("upstream")
+        return value if isinstance(value, str) else None
+
+    @property
+    def source(self) -> str | None:
+        value = self.raw.get("source")
+        return value if isinstance(value, str) else None
+
+    @property
+    def provenance(self) -> Provenance | None:
+        return _provenance(self.raw.get("provenance"))
+
+    @classmethod
+    def read_from_file(cls, path: str | Path) -> Metadata:
+        """The reference's spelling of `read`."""
+        return cls.read(Path(path))
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = "metadata.json") -> Metadata:
@@ -115,7 +202,7 @@ class Metadata:
                 )
             kdeps.append(KernelDependency(item["repo-id"], item["version"]))
         return cls(
-            name=name,
+            name=KernelName(name),
             id=ident,
             version=version,
             license=license_,

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from kernels.cache import Cache, ResolutionRecord
 
 from . import hub, settings
-from .errors import HubUnavailable, IntegrityError, InvalidSpec, OfflineCacheMiss, RevisionNotFound
+from .errors import (
+    HubUnavailable,
+    IntegrityError,
+    InvalidSpec,
+    OfflineCacheMiss,
+    RevisionNotFound,
+    VersionNotFound,
+)
 from .notices import notice_once
 from .spec import KernelSpec, is_commit, parse_version_branch
 
@@ -90,7 +97,7 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
         )
         return Resolution(repo_id, ref, record.commit, "stale-record")
     except RevisionNotFound as exc:
-        raise _explain_missing_revision(repo_id, ref, spec.version) from exc
+        raise _explain_missing_revision(repo_id, ref, spec.version, exc) from exc
     if not isinstance(commit, str) or not is_commit(commit):
         raise IntegrityError(
             f"{repo_id}@{ref}: the server at {settings.endpoint()} answered the commit id "
@@ -105,17 +112,24 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
     return Resolution(repo_id, ref, commit, "hub")
 
 
-def _explain_missing_revision(repo_id: str, ref: str, version: int | None) -> RevisionNotFound:
+def _explain_missing_revision(
+    repo_id: str, ref: str, version: int | None, cause: RevisionNotFound
+) -> RevisionNotFound:
+    # The types and the version wording are the reference's, which callers catch and match: a
+    # missing revision is also huggingface_hub's RevisionNotFoundError, a missing version also
+    # a ValueError ("Version N not found, available versions: 1, 2, 10").
+    from .hub_errors import revision_not_found
+
     if version is None:
-        return RevisionNotFound(f"{repo_id} has no branch, tag or commit {ref!r}")
+        return revision_not_found(f"{repo_id} has no branch, tag or commit {ref!r}", cause)
     try:
         branches = hub.list_refs(repo_id)["branches"]
     except Exception:  # the explanation is best effort; the error below stands on its own
         branches = {}
     versions = sorted(v for v in (parse_version_branch(b) for b in branches) if v is not None)
-    listed = ", ".join(f"v{v}" for v in versions) if versions else "none"
-    return RevisionNotFound(
-        f"{repo_id} has no version {version} (no branch 'v{version}'); versions: {listed}",
+    listed = ", ".join(str(v) for v in versions) if versions else "none"
+    return VersionNotFound(
+        f"{repo_id}: Version {version} not found, available versions: {listed}",
         hint=f"use version={versions[-1]}" if versions else None,
     )
 

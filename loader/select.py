@@ -2,23 +2,26 @@
 
 The rules and the preference order live in variants.py; this stage walks the accepted variants
 best first and checks what only the variant's files can tell: the GPU architectures in its
-metadata.json, its native libraries' ELF headers (CPU arch, GLIBC), its Python dependencies and
-the minimum `kernels` version. A variant that fails a check is added to the trace as rejected and
-the next one is tried.
+metadata.json, its native libraries' ELF headers (CPU arch, GLIBC) and the minimum `kernels`
+version. A variant that fails a check is added to the trace as rejected and the next one is
+tried. The Python dependencies (python_deps.py: an allow-list, then installed) are checked for
+the chosen variant, and a build made from a dirty git tree loads with a warning.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import warnings
 from pathlib import Path
 
 from packaging.version import Version
 
+from . import python_deps
 from ._version import __version__
-from .errors import MissingDependency, NoCompatibleVariant
+from .errors import NoCompatibleVariant
 from .metadata import Metadata
 from .native_abi import check_native_files
-from .variants import SystemInfo, VariantAccepted, VariantRejected, check_archs
+from .variants import SystemInfo, VariantAccepted, VariantRejected, check_archs, detect_system
 
 NATIVE_SUFFIXES = (".so", ".pyd", ".dylib")
 
@@ -39,15 +42,32 @@ def check_native(tree: Path) -> str | None:
     return "; ".join(problems) if problems else None
 
 
-def check_python_depends(metadata: Metadata, where: str) -> None:
-    """Raise MissingDependency for a declared Python dependency that cannot be imported."""
-    for dep in metadata.python_depends:
-        module = dep.replace("-", "_")
-        if importlib.util.find_spec(module) is None:
-            raise MissingDependency(
-                f"{where} needs the Python package {dep!r}, which is not installed",
-                hint=f"pip install {dep}",
-            )
+@functools.lru_cache(maxsize=1)
+def _detected_backend() -> str:
+    return detect_system().backend
+
+
+def check_python_depends(metadata: Metadata, where: str, *, backend: str | None = None) -> None:
+    """Raise UnsupportedDependency (a ValueError) for a declared Python dependency outside the
+    allow-list, MissingDependency (an ImportError) for an allowed one that is not installed.
+    `backend` is the selected backend kind (default: this machine's)."""
+    python_deps.check_installed(metadata, backend or _detected_backend())
+
+
+def warn_if_dirty(metadata: Metadata, variant: str) -> None:
+    """A UserWarning when the build was made from a git tree with uncommitted changes: its
+    recorded commit does not identify the sources, so the build may not be reproducible."""
+    provenance = metadata.provenance
+    if provenance is None or not provenance.dirty:
+        return
+    warnings.warn(
+        f"Kernel '{metadata.name}' variant '{variant}' was built from a dirty git tree "
+        f"({', '.join(provenance.dirty_sources())} had uncommitted changes); its recorded git "
+        "revision does not fully identify the sources it was built from, so the build may not "
+        "be reproducible",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def no_variant_error(what: str, system: SystemInfo, trace: list) -> NoCompatibleVariant:

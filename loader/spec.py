@@ -109,12 +109,12 @@ def make_spec(
     validate_repo_id(repo_id)
     if revision is not None and version is not None:
         raise InvalidSpec(
-            f"{repo_id}: give either revision= or version=, not both",
+            f"{repo_id}: Only one of `revision` or `version` must be specified.",
             hint="version=N means the branch 'v<N>'; pass only one of them",
         )
     if revision is None and version is None and require_ref:
         raise InvalidSpec(
-            f"{repo_id}: a version or a revision is required",
+            f"{repo_id}: A kernel version or revision must be specified.",
             hint="pass version=1 (the branch 'v1') or revision='<branch|tag|commit>'",
         )
     if revision is not None:

@@ -25,6 +25,7 @@ __all__ = [
     "Variant",
     "VariantAccepted",
     "VariantRejected",
+    "VariantName",
     "check_archs",
     "detect_system",
     "format_trace",
@@ -238,12 +239,24 @@ def _backend_label(kind: str, version: Version | None) -> str:
     return f"{label} {_dot(version)}" if version is not None else label
 
 
+class VariantName(str):
+    """A build-variant name: a plain `str` that also answers the reference's `variant_str`
+    (its trace entries hold variant objects, and user code reads `decision.variant.variant_str`)."""
+
+    @property
+    def variant_str(self) -> str:
+        return str(self)
+
+
 @dataclass(frozen=True)
 class VariantAccepted:
     """A variant that fits this machine; `preferred` marks the one that will be loaded."""
 
     variant: str
     preferred: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "variant", VariantName(self.variant))
 
     def __str__(self) -> str:
         return f"{self.variant}: compatible{', preferred' if self.preferred else ''}"
@@ -255,6 +268,9 @@ class VariantRejected:
 
     variant: str
     reason: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "variant", VariantName(self.variant))
 
     def __str__(self) -> str:
         return f"{self.variant}: {self.reason}"
@@ -531,8 +547,9 @@ def detect_system(backend: str | None = None) -> SystemInfo:
         torch_version, cxx11, kind, kind_version = None, None, "cpu", None
     if backend is not None and backend not in ("cpu", kind):
         supported = ", ".join(sorted({"cpu", kind}))
+        # The reference's wording first: callers match "Invalid backend '<name>'".
         raise InvalidSpec(
-            f"backend {backend!r} is not available on this machine (supported: {supported})",
+            f"Invalid backend '{backend}', system supported backends: {supported}",
             hint=f"pass backend=None to use the detected backend, or one of: {supported}",
         )
     if backend == "cpu":

@@ -147,7 +147,7 @@ def test_pull_variant_and_all_variants(hub, repos):
     "spec, error",
     [
         ("kernels-test/missing@v1", "not found"),
-        ("kernels-test/relu@v9", "no version 9"),
+        ("kernels-test/relu@v9", "Version 9 not found"),
         ("not a repo", "not a kernel spec"),
         ("kernels-test/relu@main~1", "not a valid revision"),
     ],

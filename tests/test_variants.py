@@ -735,7 +735,7 @@ def test_detect_system_refuses_a_backend_this_machine_lacks():
     with pytest.raises(InvalidSpec) as info:
         detect_system(missing)
     assert str(info.value).splitlines() == [
-        f"backend {missing!r} is not available on this machine (supported: {supported})",
+        f"Invalid backend '{missing}', system supported backends: {supported}",
         f"hint: pass backend=None to use the detected backend, or one of: {supported}",
     ]
 

@@ -63,7 +63,8 @@ def use_kernel_forward_from_hub(
 def use_kernel_func_from_hub(func_name: str) -> Callable[[T], T]:
     """Deprecated alias of use_kernel_forward_from_hub(func_name)."""
     warnings.warn(
-        "use_kernel_func_from_hub is deprecated; use use_kernel_forward_from_hub",
+        "use_kernel_func_from_hub is deprecated since kernels 0.16 and was due for removal in "
+        "kernels 0.17; use use_kernel_forward_from_hub",
         DeprecationWarning,
         stacklevel=2,
     )

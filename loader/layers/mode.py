@@ -31,7 +31,7 @@ class Mode(Flag):
 def _check_combination(mode: Mode) -> None:
     if Mode.INFERENCE in mode and Mode.TRAINING in mode:
         raise InvalidSpec(
-            "Mode.INFERENCE and Mode.TRAINING cannot be combined",
+            "Mode.INFERENCE and Mode.TRAINING are mutually exclusive",
             hint="register one entry per mode, e.g. {Mode.INFERENCE: repo_a, Mode.TRAINING: repo_b}",
         )
     if Mode.FALLBACK in mode and mode != Mode.FALLBACK:
@@ -66,7 +66,7 @@ def check_requested_mode(mode: object) -> Mode:
         )
     if mode == Mode.FALLBACK:
         raise InvalidSpec(
-            "Mode.FALLBACK is only for registering mapping entries",
+            "Mode.FALLBACK can only be used to register kernel mappings",
             hint="kernelize with mode=Mode.INFERENCE or mode=Mode.TRAINING",
         )
     _check_combination(mode)

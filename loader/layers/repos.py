@@ -100,7 +100,17 @@ class LayerRepository(_Repository):
         user_agent: str | dict | None = None,
     ):
         self.layer_name = _check_layer_name(layer_name)
-        # make_spec raises InvalidSpec (a ValueError) for both or neither of revision/version.
+        # The reference's wording, which callers match; make_spec checks the rest.
+        if revision is not None and version is not None:
+            raise InvalidSpec(
+                f"{repo_id}: Either a revision or a version must be specified, not both.",
+                hint="version=N means the branch 'v<N>'; pass only one of them",
+            )
+        if revision is None and version is None:
+            raise InvalidSpec(
+                f"{repo_id}: Either a revision or a version must be specified.",
+                hint="pass version=1 (the branch 'v1') or revision='<branch|tag|commit>'",
+            )
         self.spec: KernelSpec = make_spec(repo_id, revision=revision, version=version)
         self._trust = _trust_key(trust_remote_code)
         self.trust_remote_code = trust_remote_code
@@ -219,7 +229,9 @@ class LockedLayerRepository(_Repository):
 
 def _deprecated(old: str, new: str) -> None:
     warnings.warn(
-        f"{old} is deprecated; use {new} (a function kernel is a layer too)",
+        # "kernels 0.17" is in the reference's text, and code that checks the warning matches it.
+        f"{old} is deprecated since kernels 0.16 and was due for removal in kernels 0.17; "
+        f"use {new} (a function kernel is a layer too)",
         DeprecationWarning,
         stacklevel=3,
     )

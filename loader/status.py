@@ -1,0 +1,141 @@
+"""kernel-status.toml: a kernel repo's notice that it has moved (the reference's status redirects).
+
+A publisher who retires a repo commits, at its root,
+
+    kind = "redirect"
+    destination = "org/successor"
+    revision = "v1"          # optional; "main" when absent
+
+and every load of that repo then loads `destination` at `revision` instead, with a UserWarning
+"'org/old' redirected to 'org/successor'". The destination goes through the whole pipeline on its
+own (trust, resolution, verification); a chain of redirects is followed up to MAX_HOPS.
+
+The file is read at the resolved commit, so its answer never changes for that commit: it is
+fetched once per commit (one request, a 404 for most repos) and recorded in the cache under
+`v1/kernel-status/<org>--<name>/<commit>` (empty: no status file), so warm loads stay free.
+Offline, a commit with no record counts as having no status.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels.cache import Cache
+
+from .errors import KernelNotFound, KernelStatusError
+from .spec import validate_repo_id, validate_revision
+
+FILENAME = "kernel-status.toml"
+MAX_BYTES = 64 * 1024
+MAX_HOPS = 4
+
+
+@dataclass(frozen=True)
+class Redirect:
+    """Load `destination` at `revision` instead of this repo."""
+
+    destination: str
+    revision: str = "main"
+    kind: str = "redirect"
+
+
+def parse(text: str, *, where: str = FILENAME) -> Redirect:
+    """A kernel-status.toml's status; KernelStatusError (a ValueError) when it is malformed."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise KernelStatusError(f"{where}: not valid TOML ({exc})") from None
+    kind = data.get("kind")
+    if not kind:
+        raise KernelStatusError(f"{where}: kernel-status.toml must contain a 'kind' field")
+    if kind != "redirect":
+        raise KernelStatusError(f"{where}: Unknown kernel status kind: {kind!r}")
+    destination = data.get("destination")
+    if not isinstance(destination, str) or not destination:
+        raise KernelStatusError(f"{where}: kernel-status.toml must contain a 'destination' field")
+    revision = data.get("revision", "main")
+    if not isinstance(revision, str):
+        raise KernelStatusError(f"{where}: 'revision' must be a string, got {revision!r}")
+    # The destination becomes a request of its own: hold it to the same rules as a user's.
+    validate_repo_id(destination)
+    validate_revision(revision)
+    return Redirect(destination, revision)
+
+
+def _record_path(cache: Cache, repo_id: str, commit: str) -> Path:
+    return cache.base / "kernel-status" / repo_id.replace("/", "--") / commit
+
+
+def _fetch(repo_id: str, commit: str) -> bytes:
+    """The file's bytes at `commit`, b"" when the repo has none. One request."""
+    from . import hub
+
+    chunks: list[bytes] = []
+    size = 0
+
+    def open_sink():
+        chunks.clear()
+
+        def write(chunk: bytes) -> None:
+            nonlocal size
+            size += len(chunk)
+            if size > MAX_BYTES:
+                raise KernelStatusError(f"{repo_id}@{commit[:12]}: {FILENAME} is too large")
+            chunks.append(chunk)
+
+        return write, chunks.clear
+
+    try:
+        hub.download_to(repo_id, commit, FILENAME, open_sink)
+    except KernelNotFound as exc:
+        if "file not found" not in exc.message:
+            raise
+        return b""
+    return b"".join(chunks)
+
+
+def _store(cache: Cache, path: Path, data: bytes) -> None:
+    try:
+        cache.ensure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_name(f".tmp-{path.name}-{os.getpid()}-{threading.get_ident()}")
+        staged.write_bytes(data)
+        os.replace(staged, path)
+    except OSError:
+        pass  # a read-only cache still answers this process; the next load asks again
+
+
+class NeedNetwork(Exception):
+    """No record for this commit, and the caller may not make a request now."""
+
+
+def lookup(cache: Cache, repo_id: str, commit: str, *, network: bool) -> Redirect | None:
+    """The status of `repo_id` at `commit`, or None. Without `network`, raise NeedNetwork when
+    the commit has no record yet (the caller retries with the Hub); `network=None` means
+    offline: no record reads as no status."""
+    path = _record_path(cache, repo_id, commit)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        if network is None:
+            return None
+        if not network:
+            raise NeedNetwork from None
+        data = _fetch(repo_id, commit)
+        _store(cache, path, data)
+    except OSError:
+        return None
+    if not data:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise KernelStatusError(f"{repo_id}@{commit[:12]}: {FILENAME} is not UTF-8") from None
+    return parse(text, where=f"{repo_id}@{commit[:12]}/{FILENAME}")
