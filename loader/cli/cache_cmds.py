@@ -80,25 +80,63 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="re-hash every file (default: stat stamps, re-hash what moved)",
     )
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="re-download the files of corrupt variants (needs the Hub or a mirror)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object: {"mode", "checked", "corrupt": [...], "repaired": [...]}',
+    )
 
 
 def run_verify(args: argparse.Namespace) -> int:
     cache = _cache()
-    bad = 0
     checked = 0
+    corrupt = []
     for repo, commit, variant, check in cache.verify_all(full=args.all):
         checked += 1
         if not check.ok:
-            bad += 1
-            print(f"CORRUPT {repo}@{commit[:12]}/{variant}: {', '.join(check.bad)}")
+            corrupt.append(
+                {"repo_id": repo, "commit": commit, "variant": variant, "files": list(check.bad)}
+            )
     mode = "full re-hash" if args.all else "stamps"
-    if bad:
-        print(
-            f"{bad} of {checked} variants are corrupt ({mode}); run `kernels prune` then `kernels pull` to repair"
+    repaired = [_repair(cache, row) for row in corrupt] if args.repair else []
+    if args.json:
+        out = {"mode": mode, "checked": checked, "corrupt": corrupt, "repaired": repaired}
+        print(json.dumps(out, sort_keys=True))
+    else:
+        for row in corrupt:
+            where = f"{row['repo_id']}@{row['commit'][:12]}/{row['variant']}"
+            print(f"CORRUPT {where}: {', '.join(row['files'])}")
+        for row in repaired:
+            print(f"repaired {row['repo_id']}@{row['commit'][:12]}/{row['variant']}")
+    if corrupt and not args.repair:
+        from ..errors import IntegrityError
+
+        raise IntegrityError(
+            f"{len(corrupt)} of {checked} variants are corrupt ({mode})",
+            hint="run `kernels verify --repair` to re-download them",
         )
-        return 1
-    print(f"{checked} variants verified ({mode})")
+    if not args.json:
+        print(f"{checked} variants verified ({mode})")
     return 0
+
+
+def _repair(cache, row: dict) -> dict:
+    """Evict a corrupt variant and fetch it again, verified against the commit's listing."""
+    from .. import settings
+    from ..fetch import get_listing, install_variant
+
+    repo, commit, variant = row["repo_id"], row["commit"], row["variant"]
+    manifest = cache.index.get_variant(repo, commit, variant)
+    if manifest is not None:
+        cache.evict(manifest, tuple(e.path for e in manifest.files))
+    listing = get_listing(cache, repo, commit, offline=settings.offline())
+    manifest, _tree = install_variant(cache, repo, commit, variant, listing.variants[variant])
+    return {"repo_id": repo, "commit": commit, "variant": variant, "tree": manifest.digest}
 
 
 def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +146,11 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="also keep what this lock pins (may repeat); the nearest kernels.lock is kept too",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object: {"dry_run", "trees", "objects", "bytes"}',
     )
 
 
@@ -138,6 +181,15 @@ def run_prune(args: argparse.Namespace) -> int:
     # an orphan; the lock's trees are passed explicitly as a second guard.
     keep = _locked_trees(cache, args.lockfile)
     report = cache.prune(keep_trees=keep, dry_run=args.dry_run)
+    if args.json:
+        out = {
+            "dry_run": args.dry_run,
+            "trees": sorted(report.trees),
+            "objects": sorted(report.objects),
+            "bytes": report.bytes,
+        }
+        print(json.dumps(out, sort_keys=True))
+        return 0
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"{verb} {len(report.trees)} trees and {len(report.objects)} objects ({human_size(report.bytes)})"
