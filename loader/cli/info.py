@@ -174,7 +174,9 @@ def _repo_id_arg(text: str) -> str:
     except InvalidSpec as exc:
         if exc.hint != InvalidSpec.hint:
             raise
-        raise InvalidSpec(exc.message, hint="use org/repo (no @revision or :Layer)") from None
+        raise InvalidSpec(
+            exc.message, hint="give the repo alone, e.g. org/repo: this lists its versions"
+        ) from None
 
 
 def add_versions_arguments(parser: argparse.ArgumentParser) -> None:
