@@ -15,7 +15,9 @@ START=$SECONDS
 step() { printf 'setup [%3ss] %s\n' "$((SECONDS - START))" "$*"; }
 
 torch_mode=cpu
+# find_spec first: importing a torch costs seconds, and most interpreters have none.
 if [ "${KERNELS_TORCH:-auto}" != cpu ] &&
+  "$PY" -c 'import importlib.util as u, sys; sys.exit(0 if u.find_spec("torch") else 1)' 2>/dev/null &&
   "$PY" -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
   torch_mode=system
 fi
@@ -24,11 +26,17 @@ stamp_want=$(
 )
 stamp=.venv/kernels-setup.stamp
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_want" ] &&
-  .venv/bin/python -c 'import kernels, torch, transformers' 2>/dev/null; then
+  .venv/bin/python -c 'import importlib.util as u, kernels, sys
+sys.exit(0 if u.find_spec("torch") and u.find_spec("transformers") else 1)' 2>/dev/null; then
   step ".venv is up to date (torch: $torch_mode); nothing to install"
   exit 0
 fi
 
+if [ "$torch_mode" = system ] && [ -f .venv/pyvenv.cfg ] &&
+  grep -q 'include-system-site-packages = false' .venv/pyvenv.cfg; then
+  step "recreating .venv: it was made for the CPU torch, and $PY has a CUDA torch"
+  rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
   if [ "$torch_mode" = system ]; then
     step "creating .venv on $("$PY" -V), reusing its CUDA torch (--system-site-packages)"

@@ -277,6 +277,8 @@ def test_env(hub, repos):
     ]
     text = cli("env").stdout
     assert "torch:" in text and "cached kernels" in text
+    # the config file the trust hint names is shown
+    assert data["config"] == os.environ["KERNELS_CONFIG"]
 
 
 # -- lock and sync -------------------------------------------------------------------------
@@ -536,6 +538,10 @@ def test_quiet_and_verbose(hub, repos):
     quiet = cli("pull", "kernels-test/relu@v1", "-q")
     assert quiet.returncode == 0 and quiet.stdout == ""
     assert cli("ls", "-q").stdout == ""
+    verbose = cli("pull", "kernels-test/relu@v1", "-v")
+    assert verbose.returncode == 0 and verbose.stdout.startswith("kernels-test/relu@")
+    assert f"kernels-test/relu@v1 -> {repos['v1']} (from " in verbose.stderr
+    assert "  torch-cpu: compatible, preferred" in verbose.stderr
     assert cli("pull", "-q", "-v", "kernels-test/relu@v1").returncode == 2
 
 

@@ -303,6 +303,7 @@ def run_env(args: argparse.Namespace) -> int:
         "endpoint": settings.endpoint(),
         "offline": settings.offline(),
         "resolve_ttl_s": settings.resolve_ttl(),
+        "config": str(settings.config_path()),
         "trusted_publishers": sorted(settings.trusted_publishers()),
         "cached_kernels": selections,
     }

@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     args = _subparser(name).parse_args(argv[1:])
-    _configure_output(args)
+    stdout = sys.stdout
     try:
+        _configure_output(args)
         if name not in _NO_CACHE:
             _check_cache_root()
         return int(args._run(args) or 0)
@@ -111,19 +112,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:
         return report_error(exc)
+    finally:
+        if sys.stdout is not stdout:  # -q: main() may run in-process (tests), so restore
+            sys.stdout.close()
+            sys.stdout = stdout
 
 
 def _configure_output(args: argparse.Namespace) -> None:
-    """-q silences stdout (errors and warnings still go to stderr); -v logs the loader's steps."""
+    """-q silences stdout (errors and warnings still go to stderr); -v logs the loader's steps.
+
+    Without -v logging is left alone: the loader's notices are warnings, which Python's
+    last-resort handler already prints to stderr.
+    """
     if args.quiet:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-    level = logging.INFO if args.verbose else logging.WARNING
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("kernels")
-    logger.addHandler(handler)
-    logger.setLevel(level)
-    logger.propagate = False
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - closed by main()
+    if args.verbose:
+        logger = logging.getLogger("kernels")
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _check_cache_root() -> None:

@@ -60,6 +60,14 @@ def _skipped(found, backend: str | None) -> list[dict]:
     return [{"variant": e.variant, "reason": e.reason} for e in rejected if e.variant not in named]
 
 
+def _explain(found) -> None:
+    """-v: how the variant was chosen, every variant with its verdict, to stderr."""
+    r = found.resolution
+    print(f"{r.repo_id}@{r.ref} -> {r.commit} (from {r.source}); variants:", file=sys.stderr)
+    for entry in found.trace:
+        print(f"  {entry}", file=sys.stderr)
+
+
 def _row(repo_id: str, requested: str, found, backend: str | None = None) -> dict:
     return {
         "skipped": _skipped(found, backend) if found.trace else [],
@@ -112,6 +120,8 @@ def run_pull(args: argparse.Namespace) -> int:
                 spec, backend=args.backend, trust_remote_code=trust, progress=progress
             )
             rows = [_row(spec.repo_id, spec.ref, found, args.backend)]
+            if args.verbose:
+                _explain(found)
     _report(rows, args.json)
     return 0
 
