@@ -676,3 +676,24 @@ def test_a_variant_whose_native_library_cannot_load_is_skipped_visibly(hub, repo
     info = cli("info", "kernels-test/native@v1")
     assert "torch-universal: compatible, preferred" in info.stdout
     assert "torch-cpu: " in info.stdout and "GLIBC 9.99" in info.stdout
+
+
+def test_every_python_hint_the_cli_can_show_is_rewritten():
+    """In-process: each loader hint written for Python callers reads as CLI advice."""
+    from kernels.cli.hints import cli_hint
+    from kernels.errors import IntegrityError, InvalidSpec, RevisionNotFound, UntrustedPublisher
+
+    cases = {
+        UntrustedPublisher("x"): "pass --trust-remote-code, or add the org",
+        IntegrityError("x"): "run `kernels verify --repair` to fetch clean copies",
+        RevisionNotFound("x", hint="use version=3"): "use @v3",
+        InvalidSpec(
+            "x", hint="pass backend=None to use the detected backend, or one of: cpu"
+        ): "drop --backend to use the detected backend, or one of: cpu",
+        InvalidSpec(
+            "x", hint="pass version=1 (the branch 'v1') or revision='<branch|tag|commit>'"
+        ): "add @v1 (the branch 'v1') or @<branch|tag|commit> to the repo",
+    }
+    for exc, hint in cases.items():
+        assert cli_hint(exc).startswith(hint), (exc, cli_hint(exc))
+        assert not any(k in cli_hint(exc) for k in ("=True", "=None", "version=", "revision="))

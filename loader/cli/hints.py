@@ -23,6 +23,11 @@ _REWRITES: list[tuple[re.Pattern[str], str]] = [
         r"add @v\1 (the branch 'v\1') or @<branch|tag|commit> to the repo",
     ),
     (re.compile(r"\buse version=(\d+)\b"), r"use @v\1"),
+    # `kernels pull` alone does not replace an installed variant; --repair does.
+    (
+        re.compile(r"run `kernels verify --all`, then `kernels pull` to fetch clean copies"),
+        "run `kernels verify --repair` to fetch clean copies",
+    ),
 ]
 
 SPEC_HINT_NO_LAYER = "use org/repo or org/repo@<v<N>|branch|tag|40-hex commit>, e.g. org/repo@v1"
