@@ -57,6 +57,7 @@ COMMANDS = [
     "info",
     "versions",
     "env",
+    "mirror",
     "serve",
     "export",
 ]
@@ -86,6 +87,7 @@ def test_top_level_help_lists_every_command_and_is_fast():
         ("info", "local kernel folder"),
         ("versions", "org/repo"),
         ("env", "--json"),
+        ("mirror", "SRC"),
         ("serve", "--port"),
         ("export", "--repo"),
     ],
@@ -627,7 +629,7 @@ def test_lock_counts_read_as_english(hub, repos, tmp_path):
     assert "(1 variant, 4 files)" in out.stdout, out.stdout
 
 
-def test_verify_names_the_repair_and_repair_works(hub, repos):
+def test_verify_names_the_repair_and_repair_works(hub, repos, tmp_path):
     row = json.loads(cli("pull", "kernels-test/relu@v1", "--json").stdout)
     target = Path(row["path"]) / "_impl.py"
     os.chmod(target, 0o644)
@@ -638,6 +640,9 @@ def test_verify_names_the_repair_and_repair_works(hub, repos):
         out.stderr.strip().splitlines()[-1]
         == "hint: run `kernels verify --repair` to re-download them"
     )
+    export = cli("export", str(tmp_path / "export"))
+    assert export.returncode == 1 and "is not intact" in export.stderr
+    assert export.stderr.strip().splitlines()[-1].startswith("hint: run `kernels verify --repair`")
     fixed = cli("verify", "--repair")
     assert fixed.returncode == 0, fixed.stderr
     assert "repaired kernels-test/relu@" in fixed.stdout

@@ -135,6 +135,13 @@ def _repair(cache, row: dict) -> dict:
     if manifest is not None:
         cache.evict(manifest, tuple(e.path for e in manifest.files))
     listing = get_listing(cache, repo, commit, offline=settings.offline())
+    if variant not in listing.variants:
+        from ..errors import IntegrityError
+
+        raise IntegrityError(
+            f"{repo}@{commit[:12]} does not list {variant} any more; it cannot be repaired",
+            hint="run `kernels prune` to drop it, then `kernels pull` what you need",
+        )
     manifest, _tree = install_variant(cache, repo, commit, variant, listing.variants[variant])
     return {"repo_id": repo, "commit": commit, "variant": variant, "tree": manifest.digest}
 

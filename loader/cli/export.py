@@ -53,8 +53,11 @@ def export_cache(dest: Path, repos: list[str] | None = None) -> list[tuple[str, 
             continue
         manifest = cache.index.get_manifest(digest)
         if manifest is None or not cache.trees.check(manifest).ok:
-            raise SystemExit(
-                f"error: {repo}@{commit[:12]}/{variant} is not intact; run `kernels verify`"
+            from ..errors import IntegrityError
+
+            raise IntegrityError(
+                f"{repo}@{commit[:12]}/{variant} is not intact (its cached files changed)",
+                hint="run `kernels verify --repair`, then export again",
             )
         repo_dir = dest / repo
         target = repo_dir / "commits" / commit / "build" / variant
