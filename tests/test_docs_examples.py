@@ -62,6 +62,7 @@ def docs_env(tmp_path):
     url = server.stdout.readline().strip().rsplit(" ", 1)[-1]
     work = tmp_path / "work"
     (work / "proj").mkdir(parents=True)
+    (work / "hub_kernels").symlink_to(ROOT / "hub_kernels")  # for `kernels mirror build`
     (work / "proj" / "pyproject.toml").write_text(
         '[project]\nname = "proj"\nversion = "0"\n\n[tool.kernels.dependencies]\n'
         '"kernels-lab/activation" = 1\n"kernels-lab/training" = 1\n'
@@ -108,7 +109,7 @@ def test_cli_doc_examples_are_current(docs_env):
             lines.extend(_run(command, work, env, url, cache).rstrip("\n").splitlines())
         blocks.append("\n".join(lines) + "\n")
     new = text
-    for match, block in reversed(list(zip(sessions, blocks))):
+    for match, block in reversed(list(zip(sessions, blocks, strict=True))):
         new = new[: match.start(1)] + block + new[match.end(1) :]
     if new != text and os.environ.get("UPDATE_DOCS"):
         DOC.write_text(new)
