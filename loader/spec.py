@@ -42,6 +42,9 @@ def validate_repo_id(repo_id: object) -> str:
     """Return `repo_id` if it is a well-formed "org/name" Hub id, else raise InvalidSpec."""
     if not isinstance(repo_id, str):
         raise InvalidSpec(f"repo id must be a string like 'org/name', got {type(repo_id).__name__}")
+    url_error = _url_error(repo_id)
+    if url_error is not None:
+        raise url_error
     parts = repo_id.split("/")
     if len(parts) != 2 or not all(_NAME.match(p) for p in parts):
         raise InvalidSpec(f"{repo_id!r} is not a valid repo id; expected 'org/name'")

@@ -702,3 +702,27 @@ def test_every_python_hint_the_cli_can_show_is_rewritten():
     for exc, hint in cases.items():
         assert cli_hint(exc).startswith(hint), (exc, cli_hint(exc))
         assert not any(k in cli_hint(exc) for k in ("=True", "=None", "version=", "revision="))
+
+
+@pytest.mark.parametrize(
+    "text, fix",
+    [
+        ("https://huggingface.co/kernels-community/activation", "use kernels-community/activation"),
+        (
+            "huggingface.co/kernels-community/activation/tree/v1",
+            "use kernels-community/activation@v1",
+        ),
+        ("http://127.0.0.1:8000/org/repo/tree/main/build", "use org/repo@main"),
+    ],
+)
+def test_a_pasted_url_names_the_spec_to_write(text, fix):
+    """In-process, the Python API too: a Hub page address is not a repo id."""
+    import kernels
+    from kernels.errors import InvalidSpec
+    from kernels.spec import parse_spec
+
+    for call in (lambda: parse_spec(text), lambda: kernels.get_kernel(text, version=1)):
+        with pytest.raises(InvalidSpec) as info:
+            call()
+        assert "is a URL, not a kernel spec" in info.value.message
+        assert info.value.hint == fix
