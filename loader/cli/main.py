@@ -6,15 +6,13 @@ malformed argument, spec or flag). A user error prints one `error:` line and one
 the command line's own terms, never a traceback (set KERNELS_DEBUG=1 to see one).
 
 Every command that prints data takes `--json` (docs/cli.md lists the schemas); every command
-takes `-q` (print nothing but errors and warnings) and `-v` (also log what the loader does).
+takes `-q` (print nothing but errors and warnings) and `-v` (also say how things were decided).
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
-import logging
 import os
 import sys
 
@@ -66,7 +64,10 @@ def _subparser(name: str) -> argparse.ArgumentParser:
         "-q", "--quiet", action="store_true", help="print nothing but errors and warnings"
     )
     noise.add_argument(
-        "-v", "--verbose", action="store_true", help="also log what the loader does, to stderr"
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also say how things were decided, to stderr (e.g. pull: every variant's verdict)",
     )
     parser.set_defaults(_run=getattr(module, f"run_{name}"))
     return parser
@@ -74,6 +75,8 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 def unknown_command(name: str) -> int:
     """Usage error for a mistyped command, with the closest real one when there is one."""
+    import difflib
+
     print(f"error: {name!r} is not a kernels command", file=sys.stderr)
     close = difflib.get_close_matches(name, COMMANDS, n=1, cutoff=0.6)
     if close:
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _configure_output(args: argparse.Namespace) -> None:
-    """-q silences stdout (errors and warnings still go to stderr); -v logs the loader's steps.
+    """-q silences stdout (errors and warnings still go to stderr); -v lets the loader's INFO
+    records through to stderr (commands add their own detail, e.g. pull's variant trace).
 
     Without -v logging is left alone: the loader's notices are warnings, which Python's
     last-resort handler already prints to stderr.
@@ -127,6 +131,8 @@ def _configure_output(args: argparse.Namespace) -> None:
     if args.quiet:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - closed by main()
     if args.verbose:
+        import logging
+
         logger = logging.getLogger("kernels")
         if not logger.handlers:
             handler = logging.StreamHandler(sys.stderr)
