@@ -118,3 +118,16 @@ def test_cli_doc_examples_are_current(docs_env):
     assert new == text, (
         "docs/cli.md's examples are stale; rerun with UPDATE_DOCS=1 and review the diff"
     )
+
+
+def test_every_script_the_docs_name_exists():
+    """Pages name scripts by path; moving one (e.g. into scripts/probes/) must update them.
+    Raw outputs in per-run folders (docs/benchmarks/<run>/) keep the command as it was run."""
+    pages = [ROOT / "README.md", ROOT / "scripts" / "README.md", *ROOT.glob("docs/*.md")]
+    pages += ROOT.glob("docs/benchmarks/*.md")
+    missing = []
+    for page in pages:
+        for path in re.findall(r"\bscripts/[\w/.-]+\.(?:py|sh)\b", page.read_text()):
+            if not (ROOT / path).is_file():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, missing
