@@ -227,6 +227,8 @@ def _run(
             python_deps.check_allowed(metadata, system.backend)
         reason = check_metadata(metadata, system, check_arch=check_arch) or check_native(tree)
         if reason:
+            # Falling back to a lesser variant is a decision the user should see once.
+            notice_once(f"skip:{what}/{variant}", f"kernels: {what}: skipping {variant}: {reason}")
             trace = reject(trace, variant, reason)
             continue
         if skipped_uncached:

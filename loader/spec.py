@@ -20,12 +20,31 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _VERSION_BRANCH = re.compile(r"^v(0|[1-9][0-9]{0,8})$")
 # Branch and tag names the Hub accepts; git revision expressions (~ ^ : .. @{ and spaces) are not.
 _REVISION = re.compile(r"^(?!.*(\.\.|@\{|//))(?![/.-])[A-Za-z0-9._/\-]{1,255}(?<![/.])$")
+# A pasted Hub (or mirror) page address: https://huggingface.co/org/repo[/tree/<rev>[/...]]
+_HUB_URL = re.compile(
+    r"^(?:[a-z][a-z0-9+.-]*://)?[^/\s]+/"
+    r"(?P<repo>[^/\s]+/[^/\s?#]+)(?:/tree/(?P<rev>[^/\s?#]+))?"
+)
+
+
+def _url_error(text: str) -> InvalidSpec | None:
+    """An InvalidSpec naming the spec to write instead of a pasted URL, or None."""
+    if "://" not in text and not text.startswith(("huggingface.co/", "hf.co/")):
+        return None
+    match = _HUB_URL.match(text)
+    if match is None:
+        return InvalidSpec(f"{text!r} is a URL, not a kernel spec", hint="use org/repo[@revision]")
+    spec = match["repo"] + (f"@{match['rev']}" if match["rev"] else "")
+    return InvalidSpec(f"{text!r} is a URL, not a kernel spec", hint=f"use {spec}")
 
 
 def validate_repo_id(repo_id: object) -> str:
     """Return `repo_id` if it is a well-formed "org/name" Hub id, else raise InvalidSpec."""
     if not isinstance(repo_id, str):
         raise InvalidSpec(f"repo id must be a string like 'org/name', got {type(repo_id).__name__}")
+    url_error = _url_error(repo_id)
+    if url_error is not None:
+        raise url_error
     parts = repo_id.split("/")
     if len(parts) != 2 or not all(_NAME.match(p) for p in parts):
         raise InvalidSpec(f"{repo_id!r} is not a valid repo id; expected 'org/name'")
@@ -137,6 +156,9 @@ def parse_spec(
     if not isinstance(text, str) or not text.strip():
         raise InvalidSpec(f"empty kernel spec {text!r}")
     text = text.strip()
+    url_error = _url_error(text)
+    if url_error is not None:
+        raise url_error
     if text.startswith(("/", "~")) or (len(text) > 2 and text[1] == ":" and text[2] in "\\/"):
         path_text, layer = _split_layer(text, windows_drive=text[1:2] == ":")
         try:

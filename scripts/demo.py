@@ -1,13 +1,14 @@
 """The main job on the embedded default: load this project's kernels from a local Hub mirror.
 
-1. Build a mirror from hub_kernels/ (one git repo per kernel, branch `v1`).
+1. Build a mirror from hub_kernels/ with `kernels mirror build` (one git repo per kernel, `v1`).
 2. Start `kernels serve` on it (127.0.0.1, a free port) and point HF_ENDPOINT at it.
 3. Load `kernels-lab/activation` with `get_kernel(version=1)` exactly as a user would from the Hub,
    in a fresh process with an empty cache: print what was resolved and how many requests it took.
 4. Load it again in a new process (warm): print its request count (0) and its time.
 5. Bind the training kernels' RMSNorm to a tiny Qwen3 model on the CPU and run a training step.
 
-Usage: python scripts/demo.py [--keep DIR]   (DIR keeps the mirror and the cache for inspection)
+Usage: python scripts/demo.py [--keep DIR]   (DIR keeps the mirror and the cache for inspection;
+without it they live in a temporary folder that is removed on exit)
 """
 
 from __future__ import annotations
@@ -94,19 +95,34 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="keep the mirror and cache in this folder")
     args = parser.parse_args()
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kernels-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.keep:
+        work = Path(args.keep)
+        work.mkdir(parents=True, exist_ok=True)
+        return demo(work)
+    with tempfile.TemporaryDirectory(prefix="kernels-demo-") as tmp:
+        return demo(Path(tmp))
 
-    from kernels.serve import build_mirror
 
+def kernels_cli(*args: str) -> str:
+    """Run the `kernels` command line as a user would (`python -m kernels` is the same)."""
+    out = subprocess.run([sys.executable, "-m", "kernels", *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr)
+        raise SystemExit(f"kernels {' '.join(args)} failed (exit {out.returncode})")
+    return out.stdout
+
+
+def demo(work: Path) -> int:
     mirror = work / "mirror"
-    built = build_mirror(ROOT / "hub_kernels", mirror)
+    print(f"$ kernels mirror build hub_kernels {mirror}")
     print(
-        f"mirror {mirror}: " + ", ".join(f"{b.repo_id}@v{b.version}={b.commit[:12]}" for b in built)
+        textwrap.indent(
+            kernels_cli("mirror", "build", str(ROOT / "hub_kernels"), str(mirror)), "  "
+        )
     )
 
     server = subprocess.Popen(
-        [sys.executable, "-m", "kernels.cli.main", "serve", str(mirror), "--port", "0"],
+        [sys.executable, "-m", "kernels", "serve", str(mirror), "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "KERNELS_SERVE_TOKEN": LOG_TOKEN},

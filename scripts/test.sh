@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# Install (scripts/setup.sh) and run the test suite on the CPU (GPU tests skip without CUDA).
+# Install (scripts/setup.sh) and run the test suite. tests/gpu runs when .venv's torch has CUDA
+# and a GPU is visible (setup.sh keeps a CUDA torch it finds); otherwise those tests skip.
+# Everything the tests write to a temporary folder (pytest's tmp_path, TMPDIR) lives in one
+# folder that is removed on exit, so nothing is left in /tmp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q "$@"
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/kernels-test.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+.venv/bin/python -c 'import torch
+cuda = torch.version.cuda and torch.cuda.is_available()
+print("test: torch", torch.__version__, "- tests/gpu runs on", torch.cuda.get_device_name(0) if cuda else "nothing (no CUDA): it skips")'
+TMPDIR=$scratch .venv/bin/python -m pytest -q --basetemp="$scratch/pytest" "$@"

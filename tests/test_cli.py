@@ -57,6 +57,7 @@ COMMANDS = [
     "info",
     "versions",
     "env",
+    "mirror",
     "serve",
     "export",
 ]
@@ -86,6 +87,7 @@ def test_top_level_help_lists_every_command_and_is_fast():
         ("info", "local kernel folder"),
         ("versions", "org/repo"),
         ("env", "--json"),
+        ("mirror", "SRC"),
         ("serve", "--port"),
         ("export", "--repo"),
     ],
@@ -144,17 +146,17 @@ def test_pull_variant_and_all_variants(hub, repos):
 
 
 @pytest.mark.parametrize(
-    "spec, error",
+    "spec, error, status",
     [
-        ("kernels-test/missing@v1", "not found"),
-        ("kernels-test/relu@v9", "Version 9 not found"),
-        ("not a repo", "not a kernel spec"),
-        ("kernels-test/relu@main~1", "not a valid revision"),
+        ("kernels-test/missing@v1", "not found", 1),
+        ("kernels-test/relu@v9", "Version 9 not found", 1),
+        ("not a repo", "not a kernel spec", 2),  # a malformed argument is a usage error
+        ("kernels-test/relu@main~1", "not a valid revision", 2),
     ],
 )
-def test_pull_user_errors_are_one_line_and_a_hint(hub, repos, spec, error):
+def test_pull_user_errors_are_one_line_and_a_hint(hub, repos, spec, error, status):
     out = cli("pull", spec)
-    assert out.returncode == 1
+    assert out.returncode == status
     _no_traceback(out)
     lines = out.stderr.strip().splitlines()
     assert lines[0].startswith("error: ") and error in out.stderr
@@ -238,7 +240,16 @@ def test_info_hub_and_local(hub, repos, tmp_path):
         (local / rel).write_text(content)
     data = json.loads(cli("info", str(local), "--json").stdout)
     assert data["metadata"]["name"] == "relu"
-    assert data["variants"] == ["torch-universal: compatible, preferred"]
+    assert data["path"] == str(local.resolve())
+    assert data["variants"] == [
+        {
+            "variant": "torch-universal",
+            "compatible": True,
+            "preferred": True,
+            "reason": None,
+            "files_checked": True,
+        }
+    ]
 
 
 def test_versions_online_and_offline(hub, repos):
@@ -268,6 +279,8 @@ def test_env(hub, repos):
     ]
     text = cli("env").stdout
     assert "torch:" in text and "cached kernels" in text
+    # the config file the trust hint names is shown
+    assert data["config"] == os.environ["KERNELS_CONFIG"]
 
 
 # -- lock and sync -------------------------------------------------------------------------
@@ -461,3 +474,266 @@ def test_pull_export_serve_sync_frozen_then_load_with_zero_requests(hub, repos, 
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+# -- issue 19: the newcomer's path ----------------------------------------------------------
+
+
+def test_python_dash_m_kernels_is_the_cli():
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels", "--version"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.startswith("kernels 0.18.")
+
+
+def test_a_mistyped_command_names_the_closest_one():
+    out = cli("verfy")
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "error: 'verfy' is not a kernels command",
+        "hint: did you mean `kernels verify`?",
+    ]
+    assert "run `kernels --help`" in cli("zzzzzz").stderr
+
+
+def test_help_ends_with_no_repo_relative_path():
+    out = cli("--help")
+    assert "docs/" not in out.stdout and "kernels COMMAND --help" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, hint",
+    [
+        (["pull", "https://huggingface.co/kernels-test/relu"], "hint: use kernels-test/relu"),
+        (
+            ["pull", "https://huggingface.co/kernels-test/relu/tree/v2"],
+            "hint: use kernels-test/relu@v2",
+        ),
+        (["info", "kernels-test/relu:ReLU"], "hint: use org/repo or org/repo@"),
+        (["pull", "not a repo"], "hint: use org/repo or org/repo@"),
+        (["versions", "kernels-test/relu@v1"], "hint: give the repo alone, e.g. org/repo"),
+    ],
+)
+def test_bad_specs_are_usage_errors_with_hints_for_the_command(args, hint):
+    out = cli(*args)
+    assert out.returncode == 2, out.stderr
+    _no_traceback(out)
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ") and lines[-1].startswith(hint)
+    assert ":Layer" not in lines[-1]
+
+
+def test_hints_speak_cli_not_python(hub, repos, tmp_path):
+    hub.writer("stranger/relu").commit(kernel_files(value=5), branch="v1")
+    config = tmp_path / "config.toml"
+    out = cli("pull", "stranger/relu@v1", env={"KERNELS_CONFIG": str(config)})
+    assert out.returncode == 1
+    hint = out.stderr.strip().splitlines()[-1]
+    assert "--trust-remote-code" in hint and "trust_remote_code" not in hint
+    assert str(config) in hint  # the config file it names is the one this machine reads
+    out = cli("pull", "kernels-test/relu@v9")
+    assert out.stderr.strip().splitlines()[-1] == "hint: use @v2"
+    out = cli("pull", "kernels-test/relu@v1", "--backend", "cuda")
+    assert out.returncode == 2
+    assert "drop --backend" in out.stderr and "backend=None" not in out.stderr
+
+
+def test_a_cache_path_that_is_a_file_is_an_error(tmp_path):
+    file = tmp_path / "cache"
+    file.write_text("x")
+    for command in ("ls", "du", "verify", "env"):
+        out = cli(command, env={"KERNELS_CACHE": str(file)})
+        assert out.returncode == 1, (command, out.stdout)
+        assert out.stderr.splitlines()[0] == f"error: the cache {file} is a file, not a folder"
+
+
+def test_quiet_and_verbose(hub, repos):
+    quiet = cli("pull", "kernels-test/relu@v1", "-q")
+    assert quiet.returncode == 0 and quiet.stdout == ""
+    assert cli("ls", "-q").stdout == ""
+    verbose = cli("pull", "kernels-test/relu@v1", "-v")
+    assert verbose.returncode == 0 and verbose.stdout.startswith("kernels-test/relu@")
+    assert f"kernels-test/relu@v1 -> {repos['v1']} (from " in verbose.stderr
+    assert "  torch-cpu: compatible, preferred" in verbose.stderr
+    assert cli("pull", "-q", "-v", "kernels-test/relu@v1").returncode == 2
+
+
+def test_json_on_every_command_that_prints_data(hub, repos, tmp_path):
+    project = _project(tmp_path, {"kernels-test/relu": 1})
+    lock = json.loads(cli("lock", str(project), "--json").stdout)
+    assert lock["lockfile"] == str(project / "kernels.lock")
+    assert lock["kernels"] == [
+        {
+            "repo_id": "kernels-test/relu",
+            "requested": "v1",
+            "commit": repos["v1"],
+            "variants": {"torch-cpu": 4, "torch-universal": 4},
+        }
+    ]
+    sync = json.loads(cli("sync", str(project), "--json").stdout)
+    assert sync == {
+        "lockfile": str(project / "kernels.lock"),
+        "stale": [],
+        "kernels": [
+            {"repo_id": "kernels-test/relu", "commit": repos["v1"], "variants": ["torch-cpu"]}
+        ],
+    }
+    verify = json.loads(cli("verify", "--json").stdout)
+    assert verify == {"mode": "stamps", "checked": 1, "corrupt": [], "repaired": []}
+    prune = json.loads(cli("prune", "--dry-run", "--json").stdout)
+    assert prune["dry_run"] is True and prune["trees"] == []
+    assert sorted(prune) == ["bytes", "dry_run", "objects", "trees"]
+    export = json.loads(cli("export", str(tmp_path / "out"), "--json").stdout)
+    assert export["variants"] == [
+        {"repo_id": "kernels-test/relu", "commit": repos["v1"], "variant": "torch-cpu"}
+    ]
+    info = json.loads(cli("info", "kernels-test/relu@v1", "--json").stdout)
+    assert (info["repo_id"], info["ref"], info["commit"]) == (
+        "kernels-test/relu",
+        "v1",
+        repos["v1"],
+    )
+    assert info["variants"][0] == {
+        "variant": "torch-cpu",
+        "compatible": True,
+        "preferred": True,
+        "reason": None,
+        "files_checked": True,
+        "files": 4,
+        "bytes": info["variants"][0]["bytes"],
+    }
+    assert info["variants"][1]["files_checked"] is False  # torch-universal is not installed
+
+
+def test_sync_warns_when_pyproject_moved_on(hub, repos, tmp_path):
+    project = _project(tmp_path, {"kernels-test/relu": 1})
+    assert cli("lock", str(project)).returncode == 0
+    _project(tmp_path, {"kernels-test/relu": 2})
+    out = cli("sync", str(project))
+    assert out.returncode == 0, out.stderr  # it still installs the lock as written
+    assert "warning: " in out.stderr and "asks for v2, the lock has v1" in out.stderr
+    assert "run `kernels lock`" in out.stderr
+    assert "1 kernel matches" in out.stdout
+    _project(tmp_path, {})
+    out = cli("sync", str(project))
+    assert "kernels-test/relu is in the lock but not in pyproject.toml" in out.stderr
+
+
+def test_lock_without_a_project_or_a_table_says_what_to_write(tmp_path):
+    out = cli("lock", str(tmp_path))
+    assert out.returncode == 1 and "no pyproject.toml in" in out.stderr
+    assert "run `kernels lock`" not in out.stderr and "[tool.kernels.dependencies]" in out.stderr
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    out = cli("lock", str(tmp_path))
+    assert out.returncode == 1 and "has no [tool.kernels.dependencies] table" in out.stderr
+    assert not (tmp_path / "kernels.lock").exists()
+    (tmp_path / "kernels.lock").write_text('{"schema": 99, "kernels": []}\n')
+    out = cli("sync", str(tmp_path))
+    assert out.returncode == 1 and "upgrade kernels" in out.stderr
+    assert "run `kernels lock`" not in out.stderr
+
+
+def test_lock_counts_read_as_english(hub, repos, tmp_path):
+    hub.writer("kernels-test/one").commit(kernel_files(name="one"), branch="v1")
+    project = _project(tmp_path, {"kernels-test/one": 1})
+    out = cli("lock", str(project))
+    assert "(1 variant, 4 files)" in out.stdout, out.stdout
+
+
+def test_verify_names_the_repair_and_repair_works(hub, repos, tmp_path):
+    row = json.loads(cli("pull", "kernels-test/relu@v1", "--json").stdout)
+    target = Path(row["path"]) / "_impl.py"
+    os.chmod(target, 0o644)
+    target.write_text("broken\n")
+    out = cli("verify")
+    assert out.returncode == 1
+    assert (
+        out.stderr.strip().splitlines()[-1]
+        == "hint: run `kernels verify --repair` to re-download them"
+    )
+    export = cli("export", str(tmp_path / "export"))
+    assert export.returncode == 1 and "is not intact" in export.stderr
+    assert export.stderr.strip().splitlines()[-1].startswith("hint: run `kernels verify --repair`")
+    fixed = cli("verify", "--repair")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "repaired kernels-test/relu@" in fixed.stdout
+    assert cli("verify", "--all").returncode == 0
+
+
+def test_versions_falls_back_to_the_cache_when_the_hub_is_down(hub, repos):
+    cli("pull", "kernels-test/relu@v1")
+    out = cli("versions", "kernels-test/relu", "--json", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["source"] == "cache (the Hub is unreachable)"
+    assert [v["version"] for v in data["versions"]] == [1]
+    assert "warning: " in out.stderr
+
+
+def test_a_variant_whose_native_library_cannot_load_is_skipped_visibly(hub, repos):
+    from tests.test_native_abi import craft_elf
+
+    so, _ = craft_elf(requires=(("libc.so.6", "GLIBC_9.99"),))
+    w = hub.writer("kernels-test/native")
+    w.commit(
+        kernel_files(
+            name="native", variant="torch-cpu", backend="cpu", extra={"build/torch-cpu/_ops.so": so}
+        )
+        | kernel_files(name="native", value=2),
+        branch="v1",
+    )
+    out = cli("pull", "kernels-test/native@v1", "--json")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert row["variant"] == "torch-universal"
+    assert [s["variant"] for s in row["skipped"]] == ["torch-cpu"]
+    assert "GLIBC 9.99" in row["skipped"][0]["reason"]
+    assert "skipping torch-cpu" in out.stderr  # the loader's notice
+    info = cli("info", "kernels-test/native@v1")
+    assert "torch-universal: compatible, preferred" in info.stdout
+    assert "torch-cpu: " in info.stdout and "GLIBC 9.99" in info.stdout
+
+
+def test_every_python_hint_the_cli_can_show_is_rewritten():
+    """In-process: each loader hint written for Python callers reads as CLI advice."""
+    from kernels.cli.hints import cli_hint
+    from kernels.errors import IntegrityError, InvalidSpec, RevisionNotFound, UntrustedPublisher
+
+    cases = {
+        UntrustedPublisher("x"): "pass --trust-remote-code, or add the org",
+        IntegrityError("x"): "run `kernels verify --repair` to fetch clean copies",
+        RevisionNotFound("x", hint="use version=3"): "use @v3",
+        InvalidSpec(
+            "x", hint="pass backend=None to use the detected backend, or one of: cpu"
+        ): "drop --backend to use the detected backend, or one of: cpu",
+        InvalidSpec(
+            "x", hint="pass version=1 (the branch 'v1') or revision='<branch|tag|commit>'"
+        ): "add @v1 (the branch 'v1') or @<branch|tag|commit> to the repo",
+    }
+    for exc, hint in cases.items():
+        assert cli_hint(exc).startswith(hint), (exc, cli_hint(exc))
+        assert not any(k in cli_hint(exc) for k in ("=True", "=None", "version=", "revision="))
+
+
+@pytest.mark.parametrize(
+    "text, fix",
+    [
+        ("https://huggingface.co/kernels-community/activation", "use kernels-community/activation"),
+        (
+            "huggingface.co/kernels-community/activation/tree/v1",
+            "use kernels-community/activation@v1",
+        ),
+        ("http://127.0.0.1:8000/org/repo/tree/main/build", "use org/repo@main"),
+    ],
+)
+def test_a_pasted_url_names_the_spec_to_write(text, fix):
+    """In-process, the Python API too: a Hub page address is not a repo id."""
+    import kernels
+    from kernels.errors import InvalidSpec
+    from kernels.spec import parse_spec
+
+    for call in (lambda: parse_spec(text), lambda: kernels.get_kernel(text, version=1)):
+        with pytest.raises(InvalidSpec) as info:
+            call()
+        assert "is a URL, not a kernel spec" in info.value.message
+        assert info.value.hint == fix

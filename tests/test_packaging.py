@@ -78,3 +78,35 @@ def test_version_is_in_the_transformers_window():
     from packaging.version import Version
 
     assert Version("0.18.2") <= Version(kernels.__version__) < Version("0.19")
+
+
+def test_the_wheel_works_without_this_checkout(tmp_path):
+    """docs/install.md's promise: a wheel built here runs where the checkout is not."""
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(wheels), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    target = tmp_path / "site"
+    wheel = next(wheels.glob("kernels-0.18.*.whl"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target)]
+        + [str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(target), "HOME": str(tmp_path)}
+
+    def run(*args: str) -> str:
+        out = subprocess.run(args, cwd=away, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    where = run(sys.executable, "-c", "import kernels; print(kernels.__file__)")
+    assert where.startswith(str(target)), where  # the wheel's copy, not the checkout's
+    assert run(str(target / "bin" / "kernels"), "--version").startswith("kernels 0.18.")
+    assert "mirror" in run(sys.executable, "-m", "kernels", "--help")

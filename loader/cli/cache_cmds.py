@@ -98,39 +98,92 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="re-hash every file (default: stat stamps, re-hash what moved)",
     )
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="re-download the files of corrupt variants (needs the Hub or a mirror)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object: {"mode", "checked", "corrupt": [...], "repaired": [...]}',
+    )
 
 
 def run_verify(args: argparse.Namespace) -> int:
     cache = _cache()
-    bad = 0
     checked = 0
     exposure = cache.exposure()
     if exposure is not None:
         # Stamps prove nothing when others can rewrite them: re-hash, and say why loads refuse.
         print(
             f"UNSAFE {exposure.path} is {exposure.why}: loads refuse this cache; "
-            f"run `{exposure.fix()}`"
+            f"run `{exposure.fix()}`",
+            file=sys.stderr if args.json else sys.stdout,
         )
         args.all = True
+    corrupt = []
     for repo, commit, variant, check in cache.verify_all(full=args.all):
         checked += 1
         if not check.ok:
-            bad += 1
-            print(f"CORRUPT {repo}@{commit[:12]}/{variant}: {', '.join(check.bad)}")
+            corrupt.append(
+                {"repo_id": repo, "commit": commit, "variant": variant, "files": list(check.bad)}
+            )
     mode = "full re-hash" if args.all else "stamps"
+    repaired = [_repair(cache, row) for row in corrupt] if args.repair else []
+    if args.json:
+        out = {
+            "mode": mode,
+            "checked": checked,
+            "corrupt": corrupt,
+            "repaired": repaired,
+            "unsafe": None if exposure is None else str(exposure.path),
+        }
+        print(json.dumps(out, sort_keys=True))
+    else:
+        for row in corrupt:
+            where = f"{row['repo_id']}@{row['commit'][:12]}/{row['variant']}"
+            print(f"CORRUPT {where}: {', '.join(row['files'])}")
+        for row in repaired:
+            print(f"repaired {row['repo_id']}@{row['commit'][:12]}/{row['variant']}")
     if exposure is not None:
-        print(
-            f"{checked - bad} of {checked} variants match their manifests ({mode}), but the "
-            "cache is writable by others, so that proves nothing about who wrote them"
-        )
+        if not args.json:
+            print(
+                f"{checked - len(corrupt)} of {checked} variants match their manifests ({mode}), "
+                "but the cache is writable by others, so that proves nothing about who wrote them"
+            )
         return 1
-    if bad:
-        print(
-            f"{bad} of {checked} variants are corrupt ({mode}); run `kernels prune` then `kernels pull` to repair"
+    if corrupt and not args.repair:
+        from ..errors import IntegrityError
+
+        raise IntegrityError(
+            f"{len(corrupt)} of {checked} variants are corrupt ({mode})",
+            hint="run `kernels verify --repair` to re-download them",
         )
-        return 1
-    print(f"{checked} variants verified ({mode})")
+    if not args.json:
+        print(f"{checked} variants verified ({mode})")
     return 0
+
+
+def _repair(cache, row: dict) -> dict:
+    """Evict a corrupt variant and fetch it again, verified against the commit's listing."""
+    from .. import settings
+    from ..fetch import get_listing, install_variant
+
+    repo, commit, variant = row["repo_id"], row["commit"], row["variant"]
+    manifest = cache.index.get_variant(repo, commit, variant)
+    if manifest is not None:
+        cache.evict(manifest, tuple(e.path for e in manifest.files))
+    listing = get_listing(cache, repo, commit, offline=settings.offline())
+    if variant not in listing.variants:
+        from ..errors import IntegrityError
+
+        raise IntegrityError(
+            f"{repo}@{commit[:12]} does not list {variant} any more; it cannot be repaired",
+            hint="run `kernels prune` to drop it, then `kernels pull` what you need",
+        )
+    manifest, _tree = install_variant(cache, repo, commit, variant, listing.variants[variant])
+    return {"repo_id": repo, "commit": commit, "variant": variant, "tree": manifest.digest}
 
 
 def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +193,11 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="also keep what this lock pins (may repeat); the nearest kernels.lock is kept too",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object: {"dry_run", "trees", "objects", "bytes"}',
     )
 
 
@@ -175,6 +233,15 @@ def run_prune(args: argparse.Namespace) -> int:
         from ..errors import LockWaitTimeout
 
         raise LockWaitTimeout(f"prune waited for loads in progress: {exc}") from None
+    if args.json:
+        out = {
+            "dry_run": args.dry_run,
+            "trees": sorted(report.trees),
+            "objects": sorted(report.objects),
+            "bytes": report.bytes,
+        }
+        print(json.dumps(out, sort_keys=True))
+        return 0
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"{verb} {len(report.trees)} trees and {len(report.objects)} objects ({human_size(report.bytes)})"

@@ -43,13 +43,18 @@ def progress_bar(enabled: bool):
 
 def spec_with_default_ref(text: str):
     """Parse 'org/repo[@ref]'; without a ref use the newest v<N> branch (one request), else main."""
+    from ..errors import InvalidSpec
     from ..spec import make_spec, parse_spec
+    from .hints import SPEC_HINT_NO_LAYER
 
-    spec = parse_spec(text, require_ref=False)  # raises InvalidSpec for bad input
+    try:
+        spec = parse_spec(text, require_ref=False)
+    except InvalidSpec as exc:
+        if exc.hint != InvalidSpec.hint:  # a specific hint (e.g. the spec for a pasted URL)
+            raise
+        raise InvalidSpec(exc.message, hint=SPEC_HINT_NO_LAYER) from None
     if spec.path is not None or spec.layer is not None:
-        from ..errors import InvalidSpec
-
-        raise InvalidSpec(f"{text!r}: expected org/repo[@revision]")
+        raise InvalidSpec(f"{text!r}: expected org/repo[@revision]", hint=SPEC_HINT_NO_LAYER)
     if spec.ref is not None:
         return spec
     from .. import settings
@@ -64,3 +69,8 @@ def spec_with_default_ref(text: str):
     if versions:
         return make_spec(spec.repo_id, version=max(versions))
     return make_spec(spec.repo_id, revision="main")
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 file', '3 files'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -26,6 +26,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repo", action="append", default=[], help="export only this org/repo (may repeat)"
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object: {"dest", "variants": [{"repo_id", "commit", "variant"}]}',
+    )
 
 
 def export_cache(dest: Path, repos: list[str] | None = None) -> list[tuple[str, str, str]]:
@@ -59,8 +64,11 @@ def export_cache(dest: Path, repos: list[str] | None = None) -> list[tuple[str, 
             continue
         manifest = cache.index.get_manifest(digest)
         if manifest is None or not cache.trees.check(manifest).ok:
-            raise SystemExit(
-                f"error: {repo}@{commit[:12]}/{variant} is not intact; run `kernels verify`"
+            from ..errors import IntegrityError
+
+            raise IntegrityError(
+                f"{repo}@{commit[:12]}/{variant} is not intact (its cached files changed)",
+                hint="run `kernels verify --repair`, then export again",
             )
         repo_dir = dest / repo
         target = repo_dir / "commits" / commit / "build" / variant
@@ -101,6 +109,10 @@ def run_export(args: argparse.Namespace) -> int:
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     written = export_cache(dest, args.repo)
+    if args.json:
+        rows = [{"repo_id": r, "commit": c, "variant": v} for r, c, v in written]
+        print(json.dumps({"dest": str(dest), "variants": rows}, sort_keys=True))
+        return 0
     for repo, commit, variant in written:
         print(f"exported {repo}@{commit[:12]}/{variant}")
     print(f"{len(written)} variants in {dest}; serve them with `kernels serve {dest}`")

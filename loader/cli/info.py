@@ -4,15 +4,60 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from .common import add_backend_arguments
+from .common import add_backend_arguments, human_size, plural
 
 
 def add_info_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kernel", help="org/repo[@rev] or a local kernel folder")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object: {"repo_id", "ref", "commit"} or {"path"}, "variants": [{"variant", '
+        '"compatible", "preferred", "reason", "files_checked"}], "metadata"',
+    )
     add_backend_arguments(parser)
+
+
+def _probe(trace: list, trees: dict, system) -> tuple[list, list[str]]:
+    """The trace after the checks that need a variant's files (metadata, the native libraries'
+    ELF headers), run on every accepted variant whose files are here, as `get_kernel` runs
+    them; plus the accepted variants whose files are not here and so were not probed."""
+    from ..metadata import Metadata
+    from ..select import check_metadata, check_native, reject
+    from ..variants import VariantAccepted
+
+    unprobed = []
+    for entry in list(trace):
+        if not isinstance(entry, VariantAccepted):
+            continue
+        tree = trees.get(entry.variant)
+        if tree is None:
+            unprobed.append(entry.variant)
+            continue
+        try:
+            metadata = Metadata.read(tree / "metadata.json")
+            reason = check_metadata(metadata, system, check_arch=True) or check_native(tree)
+        except Exception as exc:  # a broken variant is a rejection, not a crash of `info`
+            reason = getattr(exc, "message", str(exc)).splitlines()[0]
+        if reason:
+            trace = reject(trace, entry.variant, reason)
+    return trace, unprobed
+
+
+def _entry_json(entry, unprobed: list[str]) -> dict:
+    from ..variants import VariantAccepted
+
+    accepted = isinstance(entry, VariantAccepted)
+    return {
+        "variant": entry.variant,
+        "compatible": accepted,
+        "preferred": accepted and entry.preferred,
+        "reason": None if accepted else entry.reason,
+        "files_checked": entry.variant not in unprobed,
+    }
 
 
 def _local_info(path: Path, backend) -> dict:
@@ -20,11 +65,18 @@ def _local_info(path: Path, backend) -> dict:
     from ..metadata import Metadata
     from ..variants import select_variants
 
+    system = _system(backend)
     variants, _single = _local_variant_dirs(path.resolve())
-    trace = select_variants(variants, _system(backend))
+    trace, unprobed = _probe(select_variants(variants, system), variants, system)
     first = next(iter(variants.values()), None)
     meta = Metadata.read(first / "metadata.json") if first else None
-    return {"source": str(path), "metadata": meta, "trace": trace}
+    return {
+        "source": str(path),
+        "where": {"path": str(path.resolve())},
+        "metadata": meta,
+        "trace": trace,
+        "unprobed": unprobed,
+    }
 
 
 def _hub_info(text: str, backend) -> dict:
@@ -38,13 +90,21 @@ def _hub_info(text: str, backend) -> dict:
     spec = spec_with_default_ref(text)
     cache = _cache()
     offline = settings.offline()
+    system = _system(backend)
     resolution = resolve(cache, spec, offline=offline, ttl=settings.resolve_ttl())
     listing = get_listing(cache, spec.repo_id, resolution.commit, offline=offline)
-    trace = select_variants(listing.variants, _system(backend))
+    trees = {}
+    for name in listing.variants:
+        installed = cache.installed(spec.repo_id, resolution.commit, name)
+        if installed is not None:
+            trees[name] = installed[1]
+    trace, unprobed = _probe(select_variants(listing.variants, system), trees, system)
     return {
         "source": f"{spec.repo_id}@{spec.ref} = {resolution.commit}",
+        "where": {"repo_id": spec.repo_id, "ref": spec.ref, "commit": resolution.commit},
         "metadata": None,
         "trace": trace,
+        "unprobed": unprobed,
         "listing": listing,
     }
 
@@ -56,8 +116,17 @@ def run_info(args: argparse.Namespace) -> int:
     else:
         info = _hub_info(args.kernel, args.backend)
     meta = info["metadata"]
+    listing = info.get("listing")
+    unprobed = info["unprobed"]
     if args.json:
-        out = {"source": info["source"], "variants": [str(e) for e in info["trace"]]}
+        variants = []
+        for entry in info["trace"]:
+            row = _entry_json(entry, unprobed)
+            if listing is not None and entry.variant in listing.variants:
+                files = listing.variants[entry.variant]
+                row.update(files=len(files), bytes=sum(f.size for f in files))
+            variants.append(row)
+        out = {**info["where"], "variants": variants}
         if meta is not None:
             out["metadata"] = meta.raw
         print(json.dumps(out, sort_keys=True))
@@ -69,48 +138,92 @@ def run_info(args: argparse.Namespace) -> int:
         )
         if meta.python_depends:
             print(f"  python depends: {', '.join(meta.python_depends)}")
-    listing = info.get("listing")
+    native = _native_variants(listing)
     for entry in info["trace"]:
         extra = ""
         if listing is not None and entry.variant in listing.variants:
             files = listing.variants[entry.variant]
-            extra = f"  [{len(files)} files, {sum(f.size for f in files)} bytes]"
+            extra = f"  [{plural(len(files), 'file')}, {human_size(sum(f.size for f in files))}]"
+        if entry.variant in unprobed and entry.variant in native:
+            extra += "  (native libraries not probed: `kernels pull` checks them)"
         print(f"  {entry}{extra}")
     return 0
 
 
+def _native_variants(listing) -> set[str]:
+    """Variants of a Hub listing that ship native libraries (.so, .pyd, .dylib)."""
+    from ..select import NATIVE_SUFFIXES
+
+    if listing is None:
+        return set()
+    return {
+        name
+        for name, files in listing.variants.items()
+        if any(f.path.endswith(NATIVE_SUFFIXES) for f in files)
+    }
+
+
+def _repo_id_arg(text: str) -> str:
+    """A bare `org/repo` argument, validated with a hint in CLI terms."""
+    from ..errors import InvalidSpec
+    from ..spec import parse_spec, validate_repo_id
+
+    try:
+        parse_spec(text, require_ref=False)  # a pasted URL gets its own hint here
+        return validate_repo_id(text)
+    except InvalidSpec as exc:
+        if exc.hint != InvalidSpec.hint:
+            raise
+        raise InvalidSpec(
+            exc.message, hint="give the repo alone, e.g. org/repo: this lists its versions"
+        ) from None
+
+
 def add_versions_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("repo", help="org/repo")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object: {"repo_id", "source", "versions": [{"version", "commit", '
+        '"variant", "trace"} or {"version", "commit", "error"}]}',
+    )
     add_backend_arguments(parser)
 
 
 def run_versions(args: argparse.Namespace) -> int:
     from .. import settings
     from ..api import _cache, _system
+    from ..errors import HubUnavailable
     from ..fetch import get_listing
     from ..resolve import available_versions
-    from ..spec import parse_version_branch, validate_repo_id
+    from ..spec import parse_version_branch
     from ..variants import VariantAccepted, select_variants
 
-    repo_id = validate_repo_id(args.repo)
+    repo_id = _repo_id_arg(args.repo)
     cache = _cache()
-    if settings.offline():
-        # Offline: what this machine has resolved before.
+    offline = settings.offline()
+    versions = None
+    if not offline:
+        try:
+            versions = available_versions(repo_id)
+            source = settings.endpoint()
+        except HubUnavailable as exc:
+            # Like a load, an unreachable Hub falls back to what this machine knows.
+            print(f"warning: {exc.message}; listing what the cache knows", file=sys.stderr)
+            offline = True
+    if versions is None:
+        # What this machine has resolved before.
         versions = {}
         for record in cache.records.revisions(repo_id):
             number = parse_version_branch(record.revision)
             if number is not None:
                 versions[number] = record.commit
-        source = "cache (offline)"
-    else:
-        versions = available_versions(repo_id)
-        source = settings.endpoint()
+        source = "cache (offline)" if settings.offline() else "cache (the Hub is unreachable)"
     system = _system(args.backend)
     rows = []
     for number, commit in sorted(versions.items()):
         try:
-            listing = get_listing(cache, repo_id, commit, offline=settings.offline())
+            listing = get_listing(cache, repo_id, commit, offline=offline)
             trace = select_variants(listing.variants, system)
         except Exception as exc:  # one broken version must not hide the others
             trace = []
@@ -190,6 +303,7 @@ def run_env(args: argparse.Namespace) -> int:
         "endpoint": settings.endpoint(),
         "offline": settings.offline(),
         "resolve_ttl_s": settings.resolve_ttl(),
+        "config": str(settings.config_path()),
         "trusted_publishers": sorted(settings.trusted_publishers()),
         "cached_kernels": selections,
     }

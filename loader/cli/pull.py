@@ -27,7 +27,12 @@ def add_pull_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lockfile", help="the lock to use with --locked (default: nearest kernels.lock)"
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object per kernel")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON object per kernel: {"repo_id", "requested", "commit", "variant", "path", '
+        '"tree", "files", "bytes", "skipped": [{"variant", "reason"}]}',
+    )
     add_backend_arguments(parser)
 
 
@@ -35,15 +40,37 @@ def _report(rows: list[dict], as_json: bool) -> None:
     for row in rows:
         if as_json:
             print(json.dumps(row, sort_keys=True))
-        else:
-            print(
-                f"{row['repo_id']}@{row['commit'][:12]} ({row['requested']}) -> {row['variant']}\n"
-                f"  {row['files']} files, {human_size(row['bytes'])}, verified\n  {row['path']}"
-            )
+            continue
+        # A skipped variant was already reported on stderr by the loader's notice.
+        print(
+            f"{row['repo_id']}@{row['commit'][:12]} ({row['requested']}) -> {row['variant']}\n"
+            f"  {row['files']} files, {human_size(row['bytes'])}, verified\n  {row['path']}"
+        )
 
 
-def _row(repo_id: str, requested: str, found) -> dict:
+def _skipped(found, backend: str | None) -> list[dict]:
+    """Variants that fit by name but failed a check on their files (metadata, the ELF probe of
+    native libraries: a newer GLIBC, another CPU arch), so a lesser one was installed."""
+    from ..api import _system
+    from ..variants import VariantRejected, select_variants
+
+    rejected = [e for e in found.trace if isinstance(e, VariantRejected)]
+    by_name = select_variants({e.variant: None for e in found.trace}, _system(backend))
+    named = {e.variant for e in by_name if isinstance(e, VariantRejected)}
+    return [{"variant": e.variant, "reason": e.reason} for e in rejected if e.variant not in named]
+
+
+def _explain(found) -> None:
+    """-v: how the variant was chosen, every variant with its verdict, to stderr."""
+    r = found.resolution
+    print(f"{r.repo_id}@{r.ref} -> {r.commit} (from {r.source}); variants:", file=sys.stderr)
+    for entry in found.trace:
+        print(f"  {entry}", file=sys.stderr)
+
+
+def _row(repo_id: str, requested: str, found, backend: str | None = None) -> dict:
     return {
+        "skipped": _skipped(found, backend) if found.trace else [],
         "repo_id": repo_id,
         "requested": requested,
         "commit": found.resolution.commit,
@@ -92,7 +119,9 @@ def run_pull(args: argparse.Namespace) -> int:
             found = install_with_details(
                 spec, backend=args.backend, trust_remote_code=trust, progress=progress
             )
-            rows = [_row(spec.repo_id, spec.ref, found)]
+            rows = [_row(spec.repo_id, spec.ref, found, args.backend)]
+            if args.verbose:
+                _explain(found)
     _report(rows, args.json)
     return 0
 

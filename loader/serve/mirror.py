@@ -111,3 +111,27 @@ def read_trusted_publishers(path: Path) -> frozenset[str]:
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise InvalidSpec(f"{path}: trusted_publishers must be a list of org names", hint=hint)
     return frozenset(names)
+
+
+def list_repos(root: Path | str) -> list[str]:
+    """The `org/name` ids under `root` that the mirror would serve (git repos and exports)."""
+    mirror = Mirror(root)
+    found = []
+    for org in sorted(p for p in mirror.root.iterdir() if p.is_dir() and valid_name(p.name)):
+        for repo in sorted(p for p in org.iterdir() if p.is_dir()):
+            name = repo.name.removesuffix(".git")
+            if valid_name(name) and mirror.repo(org.name, name) is not None:
+                found.append(f"{org.name}/{name}")
+    return found
+
+
+def looks_like_hub_layout(root: Path | str) -> bool:
+    """True when `root` holds kernel folders (`<org>/<name>/build/`) that are not git repos yet."""
+    root = Path(root)
+    return any(
+        (repo / "build").is_dir() and find_gitdir(repo) is None and not is_snapshot(repo)
+        for org in root.iterdir()
+        if org.is_dir()
+        for repo in org.iterdir()
+        if repo.is_dir()
+    )

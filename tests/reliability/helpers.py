@@ -235,9 +235,10 @@ def kernels_cli(
 
 
 def assert_user_error(out: subprocess.CompletedProcess, *needles: str) -> None:
-    """The CLI's contract for a user error: exit 1, `error: ...` then `hint: ...`, no traceback."""
+    """The CLI's contract for a user error: exit 1 (2 for a malformed argument, a usage error),
+    `error: ...` then `hint: ...`, no traceback."""
     err = out.stderr
-    assert out.returncode == 1, (out.returncode, out.stdout, err)
+    assert out.returncode in (1, 2), (out.returncode, out.stdout, err)
     assert "Traceback" not in err, err
     assert "looks like a bug" not in err, err
     lines = err.strip().splitlines()

@@ -183,4 +183,4 @@ def test_cli_refuses_a_bad_faults_spec(hub):
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert out.returncode == 2
-    assert out.stderr.startswith("kernels serve: error: --faults:")
+    assert out.stderr.startswith("error: --faults:")

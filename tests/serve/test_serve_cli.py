@@ -84,8 +84,9 @@ def test_cli_bad_dir_is_one_line_and_exit_2(tmp_path, make):
     )
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and "is not a readable directory" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    error, hint = proc.stderr.splitlines()
+    assert error.startswith("error: ") and "is not a readable directory" in error
+    assert hint.startswith("hint: ") and "kernels mirror build" in hint
 
 
 def test_cli_bad_config_is_refused(tmp_path):
@@ -124,3 +125,105 @@ def test_the_package_needs_no_hub_client_or_torch():
     code = "import sys, kernels.serve; print(sorted(m for m in ('torch', 'huggingface_hub') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _stderr_after_stop(proc: subprocess.Popen) -> str:
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+    return proc.stderr.read()
+
+
+STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ "
+
+
+def test_cli_warns_when_dir_holds_no_repos(tmp_path):
+    proc = start(str(tmp_path), "--port", "0")
+    try:
+        serving_url(proc)
+        err = _stderr_after_stop(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert re.fullmatch(STAMP + r"warning: .* holds no repos .*\n", err), err
+
+
+def test_cli_tells_a_hub_layout_folder_to_be_built_first(tmp_path):
+    (tmp_path / "org" / "relu" / "build" / "torch-universal").mkdir(parents=True)
+    proc = start(str(tmp_path), "--port", "0")
+    try:
+        serving_url(proc)
+        err = _stderr_after_stop(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "Hub layout" in err and f"kernels mirror build {tmp_path} DEST" in err
+
+
+def test_cli_port_in_use_suggests_port_0(tmp_path):
+    GitRepoWriter(tmp_path / "org" / "relu").commit({"a.txt": "a"})
+    first = start(str(tmp_path), "--port", "0")
+    try:
+        port = serving_url(first).rsplit(":", 1)[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "kernels", "serve", str(tmp_path), "--port", port],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        first.terminate()
+        first.wait(timeout=10)
+    assert out.returncode == 1
+    error, hint = out.stderr.splitlines()
+    assert error.startswith(f"error: cannot serve on 127.0.0.1:{port}: ")
+    assert hint == "hint: another server holds that port: pass --port 0 to pick a free one"
+
+
+def test_cli_access_log_has_timestamps_and_help_hides_faults(tmp_path):
+    GitRepoWriter(tmp_path / "org" / "relu").commit({"a.txt": "a"})
+    proc = start(str(tmp_path), "--port", "0", "-v")
+    try:
+        url = serving_url(proc)
+        get_json(f"{url}/api/kernels/org/relu/refs")
+        err = _stderr_after_stop(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert re.match(STAMP + r"127\.0\.0\.1 - .*GET /api/kernels/org/relu/refs", err), err
+    help_text = subprocess.run(
+        [sys.executable, "-m", "kernels", "serve", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "--faults" not in help_text and "--port" in help_text
+
+
+def test_mirror_build_command_then_serve(tmp_path):
+    from pathlib import Path
+
+    hub_kernels = Path(__file__).resolve().parents[2] / "hub_kernels"
+    dest = tmp_path / "mirror"
+    build = subprocess.run(
+        [sys.executable, "-m", "kernels", "mirror", "build", str(hub_kernels), str(dest), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert build.returncode == 0, build.stderr
+    repos = json.loads(build.stdout)["repos"]
+    assert {r["repo_id"] for r in repos} == {"kernels-lab/activation", "kernels-lab/training"}
+    proc = start(str(dest), "--port", "0")
+    try:
+        url = serving_url(proc)
+        refs = get_json(f"{url}/api/kernels/kernels-lab/activation/refs")
+        assert {b["name"] for b in refs["branches"]} == {"main", "v1"}
+        assert _stderr_after_stop(proc) == ""  # repos found: no warning
+    finally:
+        proc.kill()
+        proc.wait()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels", "mirror", "build", str(empty), str(dest)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "holds no kernel folders" in out.stderr

@@ -10,7 +10,7 @@ Variants switch one difference from Liger's kernel at a time:
   lowp      rotate in the input dtype instead of float32
   flag      skip the second halves when a device flag (the halves check, run once) says so
 
-    python scripts/probe_rope_variants.py
+    python scripts/probes/probe_rope_variants.py
 """
 
 import itertools
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 from bench_harness import _device_ms, load_training_kernels  # noqa: E402
 from liger_kernel.transformers.rope import liger_rotary_pos_emb  # noqa: E402
 

@@ -2,7 +2,7 @@
 gradient written over the logits against fp32 torch at 2048 x 151936; then the timing sweep of
 bench_cases_losses.tune_ce, saved as ce_tune.json under $OUT.
 
-    OUT=DIR python scripts/probe_ce_inplace.py
+    OUT=DIR python scripts/probes/probe_ce_inplace.py
 """
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 import bench_cases_losses as b  # noqa: E402
 
 ce = b._ours("cross_entropy")

@@ -3,7 +3,7 @@ against 16-bit arithmetic? Compiles `_rope_kernel` for sm_90 (no GPU needed: Tri
 ptxas and nvdisasm) at the Llama shape (32 q heads, 8 k heads, head_dim 128, bf16, one token per
 program, 4 warps) with UPCAST on and off, and prints one table of SASS instruction counts.
 
-    python scripts/probe_rope_sass.py
+    python scripts/probes/probe_rope_sass.py
 """
 
 import collections
@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 from bench_harness import load_training_kernels  # noqa: E402
 
 rope = sys.modules[load_training_kernels().__name__ + ".rope"]

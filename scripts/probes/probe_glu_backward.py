@@ -1,7 +1,7 @@
 """Where GeGLU/SwiGLU fwd+bwd at 16384x14336 stands against torch.compile, and whether the
 backward kernel has anything left (GPU).
 
-    python3 scripts/probe_glu_backward.py
+    python scripts/probes/probe_glu_backward.py
 
 Prints one table, bf16, all rows from this one run:
 - ``fwd+bwd``: autograd forward + backward of act(a) * b, ours (also with the flat kernels at
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 from bench_harness import _device_ms, load_training_kernels  # noqa: E402
 
 M, N, ROUNDS = 16384, 14336, 5

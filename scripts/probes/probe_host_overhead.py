@@ -1,6 +1,6 @@
 """Host work per call of the training kernels' Python paths, this tree against a git revision.
 
-    python scripts/probe_host_overhead.py --baseline REV [--calls 300] [--rounds 7]
+    python scripts/probes/probe_host_overhead.py --baseline REV [--calls 300] [--rounds 7]
 
 The training step is bound by the CPU that issues the work (docs/benchmarks/training.md), so
 the Python around each launch counts. This measures it on the CPU: TRITON_INTERPRET=1 sends CPU
@@ -29,11 +29,12 @@ from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors take Triton paths
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 import torch  # noqa: E402
 from bench_harness import load_training_kernels  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VARIANT = "hub_kernels/kernels-lab/training/build/torch-universal"
 
 

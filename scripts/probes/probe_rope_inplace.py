@@ -2,7 +2,7 @@
 for our kernel out of place (as shipped), the same kernel and launch geometry writing over its
 input, and Liger's (in place). GPU only.
 
-    python scripts/probe_rope_inplace.py
+    python scripts/probes/probe_rope_inplace.py
 """
 
 import sys
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 from bench_harness import _device_ms, load_training_kernels  # noqa: E402
 from liger_kernel.transformers.rope import liger_rotary_pos_emb  # noqa: E402
 
