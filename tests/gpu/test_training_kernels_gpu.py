@@ -19,10 +19,6 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-        reason="TRITON_INTERPRET is set: run tests/gpu in its own pytest process",
-    ),
 ]
 
 VARIANT = (

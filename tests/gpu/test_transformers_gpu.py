@@ -8,7 +8,6 @@ backward, optimizer steps, with the kernel's forward counted. Run in its own pyt
 from __future__ import annotations
 
 import copy
-import os
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -34,10 +33,6 @@ from tests.layers.helpers import NORMS, calls_of, kernel_files, tiny_qwen3, toke
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-        reason="TRITON_INTERPRET is set: run tests/gpu in its own pytest process",
-    ),
 ]
 
 transformers = pytest.importorskip("transformers")

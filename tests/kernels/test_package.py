@@ -150,3 +150,24 @@ def test_every_op_launches_its_triton_kernels(kt, op):
     with TritonLaunches(*modules) as launches:
         call(kt, x, w)
     assert expected <= set(launches.counts()), dict(launches.counts())
+
+
+def test_gpu_tests_skip_in_a_run_that_switches_the_interpreter_on():
+    """A run that collects tests/gpu before tests/kernels (as the whole suite does) skips the GPU
+    tests with the interpreter's reason (tests/gpu/conftest.py), instead of running them through
+    Triton's CPU interpreter. Checked in a fresh process that starts with the interpreter off."""
+    import os
+    import subprocess
+
+    root = VARIANT.parents[4]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    gpu = "tests/gpu/test_losses_gpu.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", gpu,
+         "tests/kernels/test_package.py::test_only_relative_imports_of_the_variant"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skipped and all("TRITON_INTERPRET is on" in line for line in skipped), out.stdout
+    assert "1 passed" in out.stdout
