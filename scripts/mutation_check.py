@@ -235,7 +235,10 @@ def pytest(args: tuple[str, ...], cwd: Path, env: dict[str, str], timeout: int) 
     except subprocess.TimeoutExpired:
         return -1, f"timed out after {timeout} s"
     lines = [line for line in done.stdout.splitlines() if line.strip()]
-    return done.returncode, (lines[-1] if lines else done.stderr.strip()[-200:])
+    summary = lines[-1] if lines else done.stderr.strip()[-200:]
+    # The failing test's id (pytest's -ra summary line), without its message.
+    failed = [line.split(" - ")[0].split()[-1] for line in lines if line.startswith("FAILED ")]
+    return done.returncode, summary + (f"; {failed[0]}" if failed else "")
 
 
 def apply(dest: Path, m: Mutation) -> str:
