@@ -284,8 +284,8 @@ def test_tuning_launches_every_candidate(kt, monkeypatch):
         for cfg in candidates:
             if str(cfg) in refused:
                 continue
-            n = len(launches.assert_launched(kernel, **options(cfg)))
-            assert n >= 1 + rounds, f"{kernel} {cfg}: {n} launches"
+            count = len(launches.assert_launched(kernel, **options(cfg)))
+            assert count >= 1 + rounds, f"{kernel} {cfg}: {count} launches"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
