@@ -193,13 +193,26 @@ MUTATIONS = [
 ]
 
 
+# Skipped when the tree is not a git checkout (e.g. a copy of it on the GPU machine).
+NOT_COPIED = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "build", "dist"}
+
+
 def tree_files(root: Path) -> list[str]:
-    """Tracked and untracked-but-not-ignored files of the working tree (what git would see)."""
-    out = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=root, check=True, capture_output=True,
-    )  # fmt: skip
-    return [p for p in out.stdout.decode().split("\0") if p and (root / p).is_file()]
+    """Tracked and untracked-but-not-ignored files of the working tree (what git would see);
+    without git, every file outside NOT_COPIED and *.egg-info folders."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=root, check=True, capture_output=True,
+        )  # fmt: skip
+        return [p for p in out.stdout.decode().split("\0") if p and (root / p).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in NOT_COPIED and not d.endswith(".egg-info")]
+        files += [str(Path(dirpath, f).relative_to(root)) for f in filenames]
+    return files
 
 
 def make_scratch(root: Path, dest: Path) -> dict[str, str]:
@@ -267,9 +280,14 @@ def versions() -> str:
 
 
 def commit(root: Path) -> str:
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
-    ).stdout.strip()
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        head = ""
+    if not head:
+        return "unknown (not a git checkout)"
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"],
         cwd=root, capture_output=True, text=True,
