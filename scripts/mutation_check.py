@@ -194,7 +194,7 @@ MUTATIONS = [
 
 
 # Skipped when the tree is not a git checkout (e.g. a copy of it on the GPU machine).
-NOT_COPIED = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "build", "dist"}
+NOT_COPIED = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
 
 
 def tree_files(root: Path) -> list[str]:
