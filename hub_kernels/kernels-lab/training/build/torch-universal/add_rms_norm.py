@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 
 from ._common import op_name
-from .rms_norm import _backward_any as rms_norm_backward_any
 from .rms_norm import (
     CASTING_MODES,
     LLAMA,
@@ -31,6 +30,7 @@ from .rms_norm import (
     rms_norm,
     use_triton_rows,
 )
+from .rms_norm import _backward_any as rms_norm_backward_any
 
 
 def _forward_any(x, residual, weight, eps, gemma):
@@ -147,12 +147,12 @@ class _AddRMSNormFunction(torch.autograd.Function):
 def fused_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
-    weight: Optional[torch.Tensor],
+    weight: torch.Tensor | None,
     eps: float,
     gemma: bool = False,
     *,
     offset: float = 0.0,
-    casting_mode: Optional[str] = None,
+    casting_mode: str | None = None,
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass, the norm on the sum rounded to the

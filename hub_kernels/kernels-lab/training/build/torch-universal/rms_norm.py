@@ -58,7 +58,7 @@ def numerics(gemma) -> tuple[float, int]:
     return (1.0, GEMMA) if gemma else (0.0, LLAMA)
 
 
-def resolve_numerics(gemma: bool, offset: float, casting_mode: Optional[str]) -> tuple[float, int]:
+def resolve_numerics(gemma: bool, offset: float, casting_mode: str | None) -> tuple[float, int]:
     """(offset, mode) of the public keywords; ``gemma=True`` means offset 1.0 in gemma mode."""
     if gemma:
         if offset not in (0.0, 1.0) or casting_mode not in (None, "gemma"):
@@ -288,7 +288,7 @@ def _bwd_candidates(m_pow2: int, n: int) -> list[dict]:
             cfg(4096, 8, 2, True), cfg(4096, 4, 2, False), cfg(16384, 16, 1, True)]  # fmt: skip
 
 
-def out_dtype(x: torch.Tensor, weight: Optional[torch.Tensor], gemma) -> torch.dtype:
+def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, gemma) -> torch.dtype:
     """Result dtype: llama mode promotes with the weight (as HF's module); gemma and none modes,
     and no weight, give the input's."""
     if weight is None or numerics(gemma)[1] != LLAMA:
@@ -550,13 +550,13 @@ class _RMSNormFunction(torch.autograd.Function):
 
 def rms_norm(
     x: torch.Tensor,
-    weight: Optional[torch.Tensor],
+    weight: torch.Tensor | None,
     eps: float,
     gemma: bool = False,
     save_output: bool = False,
     *,
     offset: float = 0.0,
-    casting_mode: Optional[str] = None,
+    casting_mode: str | None = None,
     in_place: bool = False,
 ) -> torch.Tensor:
     """RMSNorm of `x` over its last dim: ``x̂ · (offset + weight)``, or ``x̂`` without a weight.
