@@ -60,13 +60,14 @@ _SHRINK = {
     "max_position_embeddings": 128,
     "n_positions": 128,
     "sliding_window": 8,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "qk_head_dim": 16,
     "num_nextn_predict_layers": 0,
+    "rotary_dim": 8,
+    # multi-head latent attention: small ranks, head dims as in the real models' ratios
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
 }
 
 
@@ -90,6 +91,8 @@ def _shrink(config) -> None:
                 setattr(config, key, value)
             except (AttributeError, TypeError, ValueError):
                 pass
+    if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = HEADS  # latent attention expands k/v to every head
     layers = getattr(config, "num_hidden_layers", None)
     for key in ("layer_types", "layers_block_type", "block_types", "mlp_layer_types"):
         kinds = getattr(config, key, None)
@@ -134,6 +137,9 @@ def causal_lm_class(model_type: str):
 def build(model_type: str, seed: int = 0):
     config = tiny_config(model_type)
     cls = causal_lm_class(model_type)
+    text = getattr(config, "text_config", None)
+    if not isinstance(config, cls.config_class) and isinstance(text, cls.config_class):
+        config = text  # a multimodal type whose causal LM takes the text config
     torch.manual_seed(seed)
     model = cls._from_config(config, attn_implementation="eager")
     return model
