@@ -227,53 +227,74 @@ def experts_verdict(
 
 # Lines a *ForCausalLM forward may have between lm_head and the loss, and what each needs.
 _HEAD_LINE_OK = re.compile(
-    r"^\s*(#.*|if .*(softcap|scal).*:|logits = logits\.float\(\)|"
-    r"logits = (logits|self\.lm_head\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?|"
-    r"logits = torch\.tanh\(logits\)|else:|logits = self\.lm_head\(.*\))\s*$"
+    r"^\s*("
+    r"if .*(softcap|scal).*:|else:"
+    r"|\w+ = self\.lm_head\(.*\)"  # the call itself
+    r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
+    r"|\w+ = (\w+|self\.lm_head\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
+    r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
+    r")\s*$"
 )
 
 
 def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Verdict:
+    """ForCausalLM (MoEForCausalLM) for Llama-style heads: ``self.model`` decoder, the usual
+    arguments; CausalLMHead for any other forward that ends in ``self.lm_head(hidden)`` and
+    ``self.loss_function``. Either way the logits may only be soft-capped or scaled."""
     cls = type(model)
     if not _is_linear(getattr(model, "lm_head", None)):
         return Verdict("loss", None, "no Linear lm_head")
-    if not isinstance(getattr(model, "model", None), nn.Module):
-        return Verdict("loss", None, "its decoder is not self.model")
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    names = tuple("cache" if p.name == "past_key_values" else p.name for p in params)
-    moe = "output_router_logits" in names
-    plain = tuple(n for n in names[:-1] if n != "output_router_logits")
-    if (
-        plain != HEAD_ARGS
-        or params[-1].kind is not params[-1].VAR_KEYWORD
-        or (moe and names.index("output_router_logits") != len(HEAD_ARGS) - 1)
-    ):
-        return Verdict(
-            "loss", None, f"forward takes ({', '.join(names)}), not the Llama-style arguments"
-        )
+    forward = inspect.unwrap(cls.forward)
     try:
-        source = inspect.getsource(cls.forward)
+        source = inspect.getsource(forward)
     except (OSError, TypeError):
         return Verdict("loss", None, "its forward's source cannot be read")
     if "self.loss_function(" not in source:
         return Verdict("loss", None, "computes its loss without self.loss_function")
-    if "aux_loss" in source and not moe:
+    problem = _logits_problem(model, source)
+    if problem:
+        return Verdict("loss", None, problem)
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    names = tuple("cache" if p.name == "past_key_values" else p.name for p in params)
+    moe = "output_router_logits" in names
+    plain = tuple(n for n in names[:-1] if n != "output_router_logits")
+    llama_style = (
+        isinstance(getattr(model, "model", None), nn.Module)
+        and plain == HEAD_ARGS
+        and bool(params)
+        and params[-1].kind is params[-1].VAR_KEYWORD
+        and (not moe or names.index("output_router_logits") == len(HEAD_ARGS) - 1)
+    )
+    if "aux_loss" in source and not (llama_style and moe):
         return Verdict("loss", None, "adds an auxiliary loss the fused loss does not compute")
+    if "labels" not in names:
+        return Verdict("loss", None, "its forward takes no labels")
+    layer = ("MoEForCausalLM" if moe else "ForCausalLM") if llama_style else "CausalLMHead"
+    missing = available(layer)
+    return Verdict("loss", None, missing) if missing else Verdict("loss", layer)
+
+
+def _logits_problem(model: nn.Module, source: str) -> str:
+    """Why the loss layers cannot reproduce what the forward does to lm_head's output ("" if
+    they can: nothing, a soft-cap, a scale, a cast to fp32)."""
     lines = [line.split("#")[0].rstrip() for line in source.splitlines()]
-    start = next((i for i, line in enumerate(lines) if "self.lm_head(" in line), None)
+    calls = [i for i, line in enumerate(lines) if "self.lm_head(" in line]
+    if len(calls) != 1:
+        return f"calls self.lm_head {len(calls)} times in its forward"
+    start = calls[0]
     end = next(
         (
             i
             for i, line in enumerate(lines)
-            if i > (start or 0) and re.match(r"\s*(loss = None|if labels)", line)
+            if i > start and re.match(r"\s*(loss = None|if labels|loss = self)", line)
         ),
         None,
     )
-    if start is None or end is None:
-        return Verdict("loss", None, "no `logits = self.lm_head(...)` before its loss")
+    if end is None:
+        return "no loss computed after `self.lm_head(...)`"
     for line in lines[start:end]:
         if line.strip() and not _HEAD_LINE_OK.match(line):
-            return Verdict("loss", None, f"post-processes its logits with `{line.strip()}`")
+            return f"post-processes its logits with `{line.strip()}`"
     body = "\n".join(lines[start:end])
     config = getattr(model, "config", None)
     for attr, holder in (
@@ -283,12 +304,10 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     ):
         value = getattr(holder, attr, None)
         if value is not None and not isinstance(value, (int, float)):
-            return Verdict("loss", None, f"its {attr} is a {type(value).__name__}, not a number")
+            return f"its {attr} is a {type(value).__name__}, not a number"
         if value not in (None, 1, 1.0) and attr not in body:
-            return Verdict("loss", None, f"has {attr} but its forward does not apply it")
-    layer = "MoEForCausalLM" if moe else "ForCausalLM"
-    missing = available(layer)
-    return Verdict("loss", None, missing) if missing else Verdict("loss", layer)
+            return f"has {attr} but its forward does not apply it"
+    return ""
 
 
 def is_norm(module: nn.Module) -> bool:

@@ -252,6 +252,7 @@ class LayerNorm(nn.Module):
 # Loss layers (loss_layers.py): transformers' *ForCausalLM forward with the fused linear
 # cross-entropy, and nn.CrossEntropyLoss on the CE kernel.
 from .loss_layers import (  # noqa: E402, F401
+    CausalLMHead,
     CrossEntropyLoss,
     ForCausalLM,
     ForCausalLMCrossEntropy,

@@ -144,6 +144,22 @@ class MoEForCausalLM(nn.Module):
         )
 
 
+class CausalLMHead(nn.Module):
+    """Any causal-LM forward that ends in ``self.lm_head(hidden)`` and a causal-LM loss, whatever
+    its arguments and its decoder's name (GPT-2, Bloom, Falcon, OPT, GPT-NeoX, ...): with labels,
+    the family's own forward runs without them while ``lm_head`` hands back its input instead of
+    the logits, and the loss is the fused linear cross-entropy of that input. Logits as in
+    ``ForCausalLM`` (None in training unless ``return_logits=True``). The forward takes any
+    arguments and binds them to the family's signature itself."""
+
+    has_backward = True
+    # The capture swaps lm_head's forward for one call: a compiled model graph-breaks there.
+    can_torch_compile = True
+
+    def forward(self, *args, **kwargs):
+        return any_causal_lm_forward(self, args, kwargs)
+
+
 class CrossEntropyLoss(nn.Module):
     """``nn.CrossEntropyLoss.forward`` on the CE kernel for [N, C] logits and class targets.
 
@@ -382,3 +398,71 @@ def causal_lm_forward(
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
     return result if return_dict else result.to_tuple()
+
+
+_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _signature(cls: type) -> inspect.Signature:
+    sig = _SIGNATURES.get(cls)
+    if sig is None:
+        sig = _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return sig
+
+
+@torch.compiler.disable  # swaps lm_head's forward for one call
+def _run_without_logits(model: nn.Module, bound: inspect.BoundArguments) -> tuple:
+    """The family's forward with lm_head returning a 0-d placeholder; (output, lm_head input)."""
+    head = model.lm_head
+    captured: list[torch.Tensor] = []
+
+    def keep_input(hidden: torch.Tensor) -> torch.Tensor:
+        captured.append(hidden)
+        return hidden.new_zeros(())  # softcap / scaling / .float() of it are free
+
+    own = head.__dict__.get("forward")
+    head.forward = keep_input
+    try:
+        out = type(model).forward(*bound.args, **bound.kwargs)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+    if len(captured) != 1:
+        raise RuntimeError(f"{type(model).__name__} called lm_head {len(captured)} times, not once")
+    return out, captured[0]
+
+
+def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
+    """The body of ``CausalLMHead.forward``."""
+    kwargs = dict(kwargs)
+    return_logits = kwargs.pop("return_logits", None)
+    sig = _signature(type(model))
+    bound = sig.bind(model, *args, **kwargs)
+    labels = bound.arguments.get("labels")
+    if labels is None:
+        return type(model).forward(*bound.args, **bound.kwargs)
+    bound.arguments["labels"] = None
+    var_kw = next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    extra = dict(bound.arguments.get(var_kw) or {}) if var_kw else {}
+    if (
+        "use_cache" in sig.parameters
+        and bound.arguments.get("use_cache") is None
+        and model.training
+    ):
+        bound.arguments["use_cache"] = (
+            False  # a cache nobody asked for, in a step that will not decode
+        )
+    out, hidden = _run_without_logits(model, bound)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    scale = logit_scale(model)
+    loss = fused_causal_lm_loss(model, hidden, labels, softcap, extra, scale)
+    logits = None
+    if (not model.training) if return_logits is None else return_logits:
+        logits = _head_logits(model, hidden, softcap, scale)
+    if isinstance(out, tuple):  # return_dict=False: (logits, *rest) without labels
+        return (loss, logits, *out[1:])
+    out["loss"] = loss
+    out["logits"] = logits
+    return out
