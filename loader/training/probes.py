@@ -269,7 +269,7 @@ def probe_rotary(fn: Callable) -> str | None:
     except Exception as exc:  # noqa: BLE001
         return f"failed on a probe input ({type(exc).__name__})"
     want = rotate_half_reference(q, k, cos, sin)
-    if not all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want)):
+    if not all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False)):
         return "not the rotate-half layout (interleaved pairs or another formula): no kernel layer for it"
     cos8, sin8 = _cos_sin(2, 5, 8, gen)
     try:
@@ -278,6 +278,6 @@ def probe_rotary(fn: Callable) -> str | None:
     except Exception:  # noqa: BLE001 - full rotary only: the kernel layer is never asked for less
         return None
     want = rotate_half_reference(q, k, cos8, sin8)
-    if not all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want)):
+    if not all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False)):
         return "partial rotary in a layout the kernel does not have"
     return None
