@@ -136,7 +136,10 @@ def probe_norm(module: nn.Module) -> tuple[str | None, str]:
     try:
         probe = _materialized(module, seed=0)
         gen = torch.Generator().manual_seed(1)
-        x = torch.randn(2, 3, width, generator=gen) * 2 + 0.5  # a mean: LayerNorm shows
+        x = torch.randn(2, 3, width, generator=gen)
+        # row 0: a mean, so LayerNorm shows; row 1: mean square near eps, so where eps goes shows
+        x[:, 0] = x[:, 0] * 2 + 0.5
+        x[:, 1] = x[:, 1] * eps**0.5
         with torch.no_grad():
             out = probe(x)
             fits = [
