@@ -242,8 +242,11 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     arguments; CausalLMHead for any other forward that ends in ``self.lm_head(hidden)`` and
     ``self.loss_function``. Either way the logits may only be soft-capped or scaled."""
     cls = type(model)
-    if not _is_linear(getattr(model, "lm_head", None)):
-        return Verdict("loss", None, "no Linear lm_head")
+    head = getattr(model, "lm_head", None)
+    # the fused loss reads lm_head.weight/bias: a head with its own forward (a per-token scale,
+    # a LoRA wrapper, a quantized matmul) must run it
+    if not (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward):
+        return Verdict("loss", None, "lm_head is not a plain nn.Linear")
     forward = inspect.unwrap(cls.forward)
     try:
         source = inspect.getsource(forward)

@@ -86,11 +86,15 @@ def tiny_config(model_type: str):
 
 def _shrink(config) -> None:
     for key, value in _SHRINK.items():
-        if getattr(config, key, None) is not None and not isinstance(getattr(config, key), bool):
-            try:
+        try:
+            current = getattr(config, key, None)
+            if current is not None and not isinstance(current, bool):
                 setattr(config, key, value)
-            except (AttributeError, TypeError, ValueError):
-                pass
+        except Exception:  # noqa: BLE001, S110 - a per-layer or derived attribute: leave it
+            pass
+    for key, value in (("n_group", 1), ("topk_group", 1), ("num_experts_per_tok", 2)):
+        if hasattr(config, key):  # set even where the default is None (grouped MoE routing)
+            setattr(config, key, value)
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = HEADS  # latent attention expands k/v to every head
     layers = getattr(config, "num_hidden_layers", None)
