@@ -57,6 +57,11 @@ _EXPORTS = {
     "KernelFunction": "layers",
     # training kernels, the Liger way
     "liger_kernel_mapping": "liger_config",
+    # training kernels for any causal LM, by structure (one line)
+    "training_kernel_config": "training",
+    "training_kernel_mapping": "training",
+    "apply_training_kernels": "training",
+    "plan_training_kernels": "training",
     # errors
     "KernelsError": "errors",
     "InvalidSpec": "errors",

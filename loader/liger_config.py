@@ -3,13 +3,12 @@
 Users moving from `TrainingArguments(use_liger_kernel=True, liger_kernel_config={...})` keep
 their dict: `liger_kernel_mapping(config, model_class=Qwen3ForCausalLM)` returns the
 `KernelConfig(kernel_mapping=...)` mapping (or `apply_kernels` mapping) that loads the same
-kernels from this project's Hub repo, and gives the model's MLP and causal-LM head classes the
-layer names transformers does not declare for them (what Liger's apply functions patch).
+kernels from this project's Hub repo; with ``model_class`` its modules are classified by
+structure (kernels.training) and given the layer names transformers does not declare for them
+(what Liger's apply functions patch).
 """
 
 from __future__ import annotations
-
-import sys
 
 from .errors import InvalidSpec
 
@@ -59,25 +58,46 @@ def _check(config: dict) -> dict[str, bool]:
     return merged
 
 
-def _mark_classes(model_class: type, switched: dict[str, bool]) -> None:
-    """Give the model's MLP and causal-LM classes the layer names the mapping uses."""
-    from .layers import replace_kernel_forward_from_hub
+# Liger key -> the layers of kernels.training's structure classes it switches on.
+_KIND_LAYERS = {
+    "rms_norm": ("RMSNorm", "GemmaRMSNorm", "RMSNormFloatWeight", "WeightlessRMSNorm"),
+    "layer_norm": ("LayerNorm",),
+    "swiglu": ("SwiGLUMLP", "FusedSwiGLUMLP"),
+    "geglu": ("GeGLUMLP", "FusedGeGLUMLP"),
+    "rope": ("rotary_pos_emb",),
+    "fused_linear_cross_entropy": ("ForCausalLM", "MoEForCausalLM", "CausalLMHead"),
+    "cross_entropy": ("ForCausalLM",),
+}
 
-    module = sys.modules[model_class.__module__]
-    prefix = model_class.__name__.removesuffix("ForCausalLM")
-    if switched["swiglu"] or switched["geglu"]:
-        mlp = getattr(module, f"{prefix}MLP", None)
-        if mlp is None:
-            raise InvalidSpec(f"{module.__name__} has no {prefix}MLP class to bind swiglu/geglu to")
-        replace_kernel_forward_from_hub(mlp, LAYERS["swiglu" if switched["swiglu"] else "geglu"][0])
-    if switched["fused_linear_cross_entropy"] or switched["cross_entropy"]:
-        if not model_class.__name__.endswith("ForCausalLM"):
-            raise InvalidSpec(f"{model_class.__name__} is not a *ForCausalLM class")
-        replace_kernel_forward_from_hub(model_class, "ForCausalLM")
-    if switched["layer_norm"]:
-        import torch
 
-        replace_kernel_forward_from_hub(torch.nn.LayerNorm, "LayerNorm")
+def _model_mapping(model_class: type, switched: dict[str, bool], repo: str) -> dict[str, str]:
+    """Classify ``model_class`` (built on the meta device from its default config) by structure,
+    mark its classes, and map the layers the switched-on keys cover."""
+    import torch
+
+    from .training import classify
+
+    with torch.device("meta"):
+        model = model_class(model_class.config_class())
+    plan = classify(model)
+    plan.mark()
+    served = plan.served()
+    mapping: dict[str, str] = {}
+    for key, on in switched.items():
+        for layer in _KIND_LAYERS[key] if on else ():
+            if layer in served:
+                target = "ForCausalLMCrossEntropy" if key == "cross_entropy" else layer
+                mapping[layer] = f"{repo}:{target}"
+    if switched["cross_entropy"] and not any(
+        v.endswith(":ForCausalLMCrossEntropy") for v in mapping.values()
+    ):
+        head = next((lay for lay in ("MoEForCausalLM", "CausalLMHead") if lay in served), None)
+        if head is not None:
+            raise InvalidSpec(
+                f"cross_entropy is not served for {model_class.__name__} (its head binds {head})",
+                hint="use fused_linear_cross_entropy=True, which serves it",
+            )
+    return mapping
 
 
 def liger_kernel_mapping(
@@ -89,12 +109,16 @@ def liger_kernel_mapping(
 ) -> dict[str, str | tuple[str, dict]]:
     """`{layer name: "repo:Layer"}` for the keys switched on (Liger's defaults for missing keys).
 
-    With `model_class`, its MLP and causal-LM head classes are marked so KernelConfig accepts
-    the mapping. Conflicting keys raise InvalidSpec.
+    With `model_class`, its modules are classified by structure (kernels.training) and marked,
+    and the mapping names the layers that model has (Gemma's norm, a fused gate_up MLP, ...),
+    so KernelConfig accepts it. Conflicting keys raise InvalidSpec.
     """
     switched = _check(dict(config or {}))
     if model_class is not None:
-        _mark_classes(model_class, switched)
+        mapping = _model_mapping(model_class, switched, repo)
+        if version == 1:
+            return mapping
+        return {name: (value, {"version": version}) for name, value in mapping.items()}
     mapping: dict[str, str | tuple[str, dict]] = {}
     for key, on in switched.items():
         if on:

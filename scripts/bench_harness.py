@@ -11,8 +11,12 @@ Two timings per closure, both medians with the L2 flushed before each call:
   dispatch) is hidden, as it is in a training step whose host runs ahead of the GPU. The
   implementations take turns over a few rounds (30 calls each) and the median round counts, so
   a drift of the GPU's speed during a case does not favour whichever ran first;
-- wall time (`fwd_bwd_wall_ms`): `triton.testing.do_bench` as is, where a call whose host work
-  outlasts its GPU work is host-bound; small shapes show it.
+- wall time (`fwd_wall_ms`, `fwd_bwd_wall_ms`): `triton.testing.do_bench` as is (median, L2
+  flushed before each call, nothing queued ahead), so a call whose host work outlasts its GPU
+  work is timed at its host's pace, as a user at small batch sees it.
+
+Each case's table rows say which implementation is best in device and in wall time, and whether
+ours is within 3 % of the best peer in both and uses no more memory than Liger (`verdict`).
 """
 
 from __future__ import annotations
@@ -198,6 +202,7 @@ def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
             row["fwd_ms"] = statistics.median(times[id(row)]["fwd"])
             row["fwd_bwd_ms"] = statistics.median(times[id(row)]["fwd_bwd"])
             row["fwd_bwd_ms_rounds"] = times[id(row)]["fwd_bwd"]
+            row["fwd_wall_ms"] = _wall_ms(fwd)
             row["fwd_bwd_wall_ms"] = _wall_ms(fwd_bwd)
             row["extra_mib"] = _extra_peak_mib(fwd_bwd)
             if case.bytes_fwd:
@@ -234,14 +239,42 @@ def rate_cell(row: dict) -> str:
     return f"{rate:.0f} TF/s" if rate else fmt(row.get("fwd_bwd_gbps"), ".0f")
 
 
+TIE = 1.03  # within 3 % of the best peer counts as a tie
+
+
+def verdict(group: list[dict]) -> str:
+    """Ours against the best peer of one case: "ok", or what is behind (device / wall time by
+    more than 3 %, or more extra memory than Liger)."""
+    ours = next((r for r in group if r["impl"] == "ours" and "error" not in r), None)
+    peers = [r for r in group if r["impl"] != "ours" and "error" not in r]
+    if ours is None or not peers:
+        return ""
+    behind = []
+    for key, what in (("fwd_bwd_ms", "device"), ("fwd_bwd_wall_ms", "wall")):
+        best = min(peers, key=lambda r: r.get(key, math.inf))
+        if key in ours and key in best and ours[key] > TIE * best[key]:
+            behind.append(f"{what} {ours[key] / best[key]:.2f}x {best['impl']}")
+    liger = next((r for r in peers if r["impl"] == "liger"), None)
+    if liger is not None and ours["extra_mib"] > liger["extra_mib"] + 1.0:
+        behind.append(f"mem {ours['extra_mib']:.0f} > liger {liger['extra_mib']:.0f} MiB")
+    return "; ".join(behind) or "ok"
+
+
 def format_table(rows: list[dict], ceil: Ceilings) -> str:
-    head = "| op | shape | impl | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s or TFLOP/s | fwd+bwd wall ms | extra MiB | floor ms | target ms | best? |"
+    head = (
+        "| op | shape | impl | fwd ms | fwd wall ms | fwd GB/s | fwd+bwd ms | fwd+bwd wall ms "
+        "| fwd+bwd GB/s or TFLOP/s | extra MiB | floor ms | target ms | best (device/wall) "
+        "| ours vs best peer |"
+    )
     lines = [
         f"Ceilings measured in this run: copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s. "
-        "Times are device times (host work hidden); 'wall' is the plain do_bench time, host overhead included.",
+        "'ms' columns are device times (host work hidden behind a queued sleep kernel); 'wall ms' "
+        "is the plain do_bench time (L2 flushed, nothing queued ahead, host work included). "
+        "The last column: ok = within 3 % of the best peer in both times and no more memory "
+        "than Liger.",
         "",
         head,
-        "|" + "|".join(["---"] * 12) + "|",
+        "|" + "|".join(["---"] * 14) + "|",
     ]
     by_case: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -249,15 +282,27 @@ def format_table(rows: list[dict], ceil: Ceilings) -> str:
     for (op, shape), group in by_case.items():
         ok = [r for r in group if "error" not in r]
         best = min((r["fwd_bwd_ms"] for r in ok), default=None)
+        best_wall = min((r.get("fwd_bwd_wall_ms", math.inf) for r in ok), default=None)
+        case_verdict = verdict(group)
         for r in group:
             if "error" in r:
-                lines.append(f"| {op} | {shape} | {r['impl']} | error: {r['error']} |||||||||")
+                lines.append(f"| {op} | {shape} | {r['impl']} | error: {r['error']} |||||||||||")
                 continue
+            marks = "/".join(
+                m
+                for m, hit in (
+                    ("device", r["fwd_bwd_ms"] == best),
+                    ("wall", r.get("fwd_bwd_wall_ms") == best_wall),
+                )
+                if hit
+            )
             lines.append(
-                f"| {op} | {shape} | {r['impl']} | {r['fwd_ms']:.3f} | {fmt(r.get('fwd_gbps'), '.0f')} "
-                f"| {r['fwd_bwd_ms']:.3f} | {rate_cell(r)} | {fmt(r.get('fwd_bwd_wall_ms'), '.3f')} "
-                f"| {r['extra_mib']:.0f} | {fmt(r['floor_ms'], '.3f')} "
-                f"| {fmt(r['target_ms'], '.2f')} | {'best' if r['fwd_bwd_ms'] == best else ''} |"
+                f"| {op} | {shape} | {r['impl']} | {r['fwd_ms']:.3f} "
+                f"| {fmt(r.get('fwd_wall_ms'), '.3f')} | {fmt(r.get('fwd_gbps'), '.0f')} "
+                f"| {r['fwd_bwd_ms']:.3f} | {fmt(r.get('fwd_bwd_wall_ms'), '.3f')} "
+                f"| {rate_cell(r)} | {r['extra_mib']:.0f} | {fmt(r['floor_ms'], '.3f')} "
+                f"| {fmt(r['target_ms'], '.2f')} | {marks} "
+                f"| {case_verdict if r['impl'] == 'ours' else ''} |"
             )
     return "\n".join(lines)
 

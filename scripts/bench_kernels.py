@@ -6,6 +6,11 @@ markdown table last. With --out DIR it also writes kernels.json, kernels.md (dat
 and kernels.png.
 
     python scripts/bench_kernels.py --ops rmsnorm,rope --out docs/benchmarks
+    python scripts/bench_kernels.py --sweep norms --out docs/benchmarks/sweeps/norms
+
+``--sweep NAME`` runs one of the shape sweeps of scripts/bench_sweeps.py instead of the anchor
+cases (``--op`` then filters its cases too). Every row has device and wall time side by side and
+the extra peak memory; the table's last column says where ours is behind the best peer.
 """
 
 from __future__ import annotations
@@ -117,7 +122,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default="", help="comma-separated op filter, e.g. rmsnorm,rope")
+    parser.add_argument(
+        "--ops", "--op", default="", help="comma-separated op filter, e.g. rmsnorm,rope"
+    )
+    parser.add_argument(
+        "--sweep",
+        choices=["norms", "norms-large", "addnorms", "rope", "glu", "ce", "flce"],
+        help="run this shape sweep (scripts/bench_sweeps.py) instead of the anchor cases",
+    )
     parser.add_argument(
         "--out", type=Path, help="folder for kernels.json / kernels.md / kernels.png"
     )
@@ -135,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.accumulated_cache_size_limit = 4096
 
     ops = [o.strip().lower().replace(" ", "") for o in args.ops.split(",") if o.strip()]
-    cases, notes = collect(args.small, ops)
+    if args.sweep:
+        from bench_sweeps import SWEEPS
+
+        cases, notes = SWEEPS[args.sweep](), [f"sweep {args.sweep}"]
+        cases = [
+            c for c in cases if not ops or any(o in c.op.lower().replace(" ", "") for o in ops)
+        ]
+    else:
+        cases, notes = collect(args.small, ops)
     env = environment()
     ceil = measure_ceilings()
     header = " ".join(f"{k} {v};" for k, v in env.items())
@@ -145,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += case_rows
         for r in case_rows:
             t = r.get("error") or (
-                f"fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwd_bwd_ms']:.3f} ms "
-                f"(wall {r['fwd_bwd_wall_ms']:.3f}), extra {r['extra_mib']:.0f} MiB"
+                f"fwd {r['fwd_ms']:.3f} ms (wall {r['fwd_wall_ms']:.3f}), fwd+bwd "
+                f"{r['fwd_bwd_ms']:.3f} ms (wall {r['fwd_bwd_wall_ms']:.3f}), "
+                f"extra {r['extra_mib']:.0f} MiB"
             )
             print(f"{case.op} | {case.shape} | {r['impl']}: {t}", flush=True)
         if args.out:  # after every case, so a run cut short still leaves its results

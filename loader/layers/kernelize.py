@@ -153,7 +153,9 @@ def _decide(
 
     condition = getattr(site.replaced, "kernel_condition", None)
     if condition is not None and not condition(site.owner):
-        entry = BindEntry(site.path, site.layer_name, SKIPPED, reason="kernel_condition is False")
+        why = _unserved(site.owner) or {}
+        reason = next(iter(why.values()), "kernel_condition is False")
+        entry = BindEntry(site.path, site.layer_name, SKIPPED, reason=reason)
         return entry, site.restore
 
     found = lookup(site.layer_name, device_type, capability, mode, scopes)
@@ -211,6 +213,21 @@ def _decide(
     return keep(KernelizeFallback.NO_COMPATIBLE_MODE, reason)
 
 
+def _unserved(module: nn.Module) -> dict[str, str] | None:
+    """{kind: reason} that kernels.training's structure probes gave this module's class."""
+    return type(module).__dict__.get("_kernels_unserved")
+
+
+def _unserved_entries(model: nn.Module, listed: set[str]) -> list[BindEntry]:
+    """A module the training kernels cannot serve keeps its forward; say so, with the reason."""
+    entries = []
+    for path, module in model.named_modules():
+        for kind, reason in (_unserved(module) or {}).items():
+            if path not in listed:
+                entries.append(BindEntry(path, kind, ORIGINAL, reason=reason))
+    return entries
+
+
 def run_kernelize(
     model: nn.Module,
     *,
@@ -249,6 +266,7 @@ def run_kernelize(
         if change is not None:
             change()
     entries = tuple(entry for entry, _ in decisions)
+    entries += tuple(_unserved_entries(model, {e.path for e in entries}))
     report = BindReport(type(model).__name__, mode, target.type, entries, dry_run)
     if not dry_run:
         record(model, report)

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from torch import nn
 
 ALLOWED_MEMBERS = frozenset({"can_torch_compile", "has_backward"})
+_ANY_ARGUMENTS = [
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    inspect.Parameter.VAR_POSITIONAL,
+    inspect.Parameter.VAR_KEYWORD,
+]
 
 
 def has_backward(layer: type) -> bool:
@@ -59,6 +64,8 @@ def check_layer(layer: object, replaced: type[nn.Module], *, source: object) -> 
         )
     mine = [p.kind for p in inspect.signature(layer.forward).parameters.values()]
     theirs = [p.kind for p in inspect.signature(replaced.forward).parameters.values()]
+    if mine == _ANY_ARGUMENTS:
+        return  # forward(self, *args, **kwargs) binds the replaced forward's arguments itself
     if mine != theirs:
         raise LayerError(
             f"{source}: {layer.__name__}.forward{_describe(layer.forward)} does not match "

@@ -1,6 +1,8 @@
 """CrossEntropy and fused Linear+CE on a CUDA GPU at real shapes, against fp32/fp64 torch references.
 
-Run in its own pytest process (tests/kernels switches Triton to its CPU interpreter):
+Each test also records the Triton launches (tests/gpu/launches.py), host side and on the device:
+the torch fallback computes the same values, so only the launches show the Triton path ran, with
+the launch shape asked for. Run in its own pytest process (see conftest.py):
 ``python -m pytest tests/gpu/test_losses_gpu.py``.
 """
 
@@ -14,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.gpu.launches import TritonLaunches
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,6 +50,17 @@ def fl(kt):
     return importlib.import_module(f"{kt.__name__}.fused_linear_cross_entropy")
 
 
+@pytest.fixture
+def launches(ce):
+    with TritonLaunches(ce, device=True) as recorder:
+        yield recorder
+
+
+def ce_ran_on_gpu(launches: TritonLaunches, **options) -> None:
+    launches.assert_launched("_ce_fwd_kernel", **options)
+    launches.assert_device_matches()
+
+
 @pytest.fixture(autouse=True)
 def _exact_fp32_matmuls():
     prev = torch.backends.cuda.matmul.allow_tf32
@@ -67,7 +82,7 @@ def targets(n: int, vocab: int, frac: float = 0.1) -> torch.Tensor:
     return t
 
 
-def test_ce_anchor_shape_bf16(ce):
+def test_ce_anchor_shape_bf16(ce, launches):
     """8192 x 151936 bf16 (the anchor): loss and in-place gradient vs fp32 torch."""
     n, vocab = 8192, 151936
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
@@ -79,6 +94,7 @@ def test_ce_anchor_shape_bf16(ce):
     x = logits.clone().requires_grad_(True)
     loss = ce.cross_entropy(x, t)
     (grad,) = torch.autograd.grad(loss, x)
+    ce_ran_on_gpu(launches, WRITE_GRAD=True)
     assert rel_err(loss, ref) < 1e-5
     assert rel_err(grad, ref_grad) < 1e-2
     assert (grad[t == -100] == 0).all()
@@ -97,7 +113,7 @@ def _flce_reference(h, w, b, t, **kw):
     return loss.detach(), torch.autograd.grad(loss, leaves)
 
 
-def test_flce_llama_head_bf16(fl):
+def test_flce_llama_head_bf16(fl, launches):
     """N 4096, H 4096, V 128256 bf16, several chunks: loss and grads vs fp32 torch."""
     n, hdim, vocab = 4096, 4096, 128256
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -106,12 +122,13 @@ def test_flce_llama_head_bf16(fl):
     ref, (ref_dh, ref_dw) = _flce_reference(h, w, None, t)
     loss = fl.fused_linear_cross_entropy(h, w, t)
     dh, dw = torch.autograd.grad(loss * 2.5, [h, w])  # grad_output != 1 too
+    ce_ran_on_gpu(launches)
     assert rel_err(loss, ref) < 1e-3
     assert rel_err(dh, 2.5 * ref_dh) < 1e-2
     assert rel_err(dw, 2.5 * ref_dw) < 1e-2
 
 
-def test_flce_bias_none_reduction_qwen_vocab(fl):
+def test_flce_bias_none_reduction_qwen_vocab(fl, launches):
     """H 1024, V 151936 with bias, smoothing; reduction none takes the recompute path."""
     n, hdim, vocab = 2048, 1024, 151936
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -126,12 +143,13 @@ def test_flce_bias_none_reduction_qwen_vocab(fl):
         h, w, t, b, reduction="none", label_smoothing=0.1, chunk_rows=768
     )
     grads = torch.autograd.grad(loss, [h, w, b], g_out)
+    ce_ran_on_gpu(launches)
     assert rel_err(loss, ref) < 1e-3
     for got, want in zip(grads, ref_grads, strict=True):
         assert rel_err(got, want) < 1e-2
 
 
-def test_flce_tied_embedding(fl):
+def test_flce_tied_embedding(fl, launches):
     vocab, hdim, n = 32000, 1024, 2048
     emb = torch.nn.Embedding(vocab, hdim, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -143,6 +161,7 @@ def test_flce_tied_embedding(fl):
     w32 = emb.weight.detach().float().requires_grad_(True)
     ref = F.cross_entropy((w32[ids] * 0.5) @ w32.t(), t)
     (ref_dw,) = torch.autograd.grad(ref, w32)
+    ce_ran_on_gpu(launches)
     assert rel_err(loss, ref) < 1e-3 and rel_err(dw, ref_dw) < 1e-2
 
 
@@ -159,10 +178,11 @@ def test_flce_tied_embedding(fl):
     ids=["default", "last-arriver", "spin-one-pass", "spin-two-reads", "one-program-per-row"],
 )
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
-def test_ce_options_every_launch_shape(ce, config, inplace):
+def test_ce_options_every_launch_shape(ce, config, inplace, launches):
     """Smoothing + z-loss + softcap, reduction none with per-token upstream gradients; the
     gradient into its own buffer, or over the logits (where a read of the target logit after
-    a sibling thread's store would corrupt the loss)."""
+    a sibling thread's store would corrupt the loss). Each launch shape is checked as launched:
+    chunk, block, warps, spin, one pass and cache policy as the config asks."""
     n, vocab = 1024, 151936
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
     t = targets(n, vocab)
@@ -180,5 +200,12 @@ def test_ce_options_every_launch_shape(ce, config, inplace):
     cfg = None if config is None else ce.CEConfig(**config)
     opts = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0, config=cfg)
     loss, _ = ce.ce_rows(source, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, **opts)
+    asked = cfg or ce.default_config(vocab, logits.device)
+    several = vocab > asked.chunk  # spinning and one-pass programs need several chunks per row
+    ce_ran_on_gpu(
+        launches, CHUNK=asked.chunk, BLOCK=asked.block, num_warps=asked.num_warps,
+        SPIN=asked.spin and several, ONE_PASS=asked.one_pass and (asked.spin and several or not several),
+        LOAD_POLICY="evict_last" if asked.evict else "",
+    )  # fmt: skip
     assert rel_err(loss, per_row) < 1e-5
     assert rel_err(grad, ref_grad) < 1e-2

@@ -2,13 +2,15 @@
 
 KernelConfig refuses "cpu" inside transformers, so this is where the user flow of the docs runs
 end to end: from_pretrained(use_kernels=True, kernel_config=...), model.train(), forward,
-backward, optimizer steps, with the kernel's forward counted. Run in its own pytest process.
+backward, optimizer steps, with the kernel's forward counted and its Triton launches recorded
+on the device (the Python wrapper runs whichever path it takes; the launches show Triton ran).
+Run in its own pytest process (see conftest.py).
 """
 
 from __future__ import annotations
 
 import copy
-import os
+import sys
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -29,15 +31,12 @@ from kernels.layers import (
 )
 from kernels.layers.binding import bound_layer
 
+from tests.gpu.launches import TritonLaunches
 from tests.layers.helpers import NORMS, calls_of, kernel_files, tiny_qwen3, tokens, write_repo
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-        reason="TRITON_INTERPRET is set: run tests/gpu in its own pytest process",
-    ),
 ]
 
 transformers = pytest.importorskip("transformers")
@@ -82,6 +81,13 @@ def rms_norm_calls(mirror, monkeypatch) -> Counter:
     return calls
 
 
+def kernel_launches(kernel) -> TritonLaunches:
+    """A recorder of every Triton kernel of the loaded kernel package (all its submodules)."""
+    prefix = kernel.__name__ + "."
+    modules = [m for name, m in sys.modules.items() if name.startswith(prefix)]
+    return TritonLaunches(*modules, device=True)
+
+
 def load(path: Path, **kwargs):
     from transformers import AutoModelForCausalLM
 
@@ -117,13 +123,18 @@ def test_kernel_config_kernel_stays_bound_through_training(mirror, saved, rms_no
     assert report.mode == Mode.TRAINING and len(rms_entries(report)) == NORMS
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    kernel = kernels.get_kernel("kernels-lab/training", version=1)
     for step in range(4):
         rms_norm_calls.clear()
-        loss = model(x, labels=x).loss
+        with kernel_launches(kernel) as launches:
+            loss = model(x, labels=x).loss
+            loss.backward()
         ref_loss = reference(x, labels=x).loss
-        loss.backward()
         ref_loss.backward()
         assert rms_norm_calls["rms_norm"] == NORMS, f"step {step}"
+        counts = launches.counts()
+        assert counts["_rms_norm_fwd_kernel"] == counts["_rms_norm_bwd_kernel"] == NORMS, counts
+        launches.assert_device_matches()
         assert torch.isfinite(loss)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-4, msg=f"step {step}")
         torch.testing.assert_close(
@@ -214,8 +225,18 @@ def test_trainer_keeps_the_training_kernels_through_train(mirror, saved, tmp_pat
             learning_rate=1e-3,
         )  # fmt: skip
         trainer = Trainer(model=m, args=args, train_dataset=data)
-        trainer.train()
+        with kernel_launches(kernel) as launches:
+            trainer.train()
         results[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if name == "kernels":  # every layer's Triton kernels ran on the GPU, forward and backward
+            for triton_kernel in (
+                "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_rope_kernel", "_glu_fwd_kernel",
+                "_glu_bwd_kernel", "_ce_fwd_kernel",
+            ):  # fmt: skip
+                launches.assert_launched(triton_kernel)
+            launches.assert_device_matches()
+        else:
+            assert not launches.launches  # the reference ran no kernel of ours
     report = last_report(model)
     assert report.mode & Mode.TRAINING
     bound = Counter(e.layer_name for e in report.bound)

@@ -87,3 +87,87 @@ def test_two_builds_side_by_side_register_distinct_ops(kt):
         assert hasattr(getattr(torch.ops, ns), "rms_norm_fwd")
     x, w = torch.randn(3, 8), torch.randn(8)
     torch.testing.assert_close(kt.rms_norm(x, w, 1e-6), other.rms_norm(x, w, 1e-6))
+
+
+def _grads_of(out, *inputs):
+    outs = out if isinstance(out, tuple) else (out,)
+    return torch.autograd.grad(outs, inputs, [torch.randn_like(o) for o in outs])
+
+
+def _rope_call(kt, x, w):
+    q, k = x.view(2, 4, 3, 16), (x * 2).view(2, 4, 3, 16)
+    return _grads_of(kt.apply_rotary_pos_emb(q, k, w[:48].view(1, 3, 16), w[:48].view(1, 3, 16)), x)
+
+
+# op -> (call on x [8, 48] and w [48], both requiring grad; the Triton kernels it must launch)
+_OPS = {
+    "rms_norm": (
+        lambda kt, x, w: _grads_of(kt.rms_norm(x, w, 1e-6), x, w),
+        {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_column_sum_kernel"},
+    ),
+    "fused_add_rms_norm": (
+        lambda kt, x, w: _grads_of(kt.fused_add_rms_norm(x, x * 0.5, w, 1e-6), x, w),
+        {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_column_sum_kernel"},
+    ),
+    "layer_norm": (
+        lambda kt, x, w: _grads_of(kt.layer_norm(x, w, w * 0.1, 1e-5), x, w),
+        {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"},
+    ),
+    "rope": (_rope_call, {"_rope_kernel"}),
+    "silu_mul": (
+        lambda kt, x, w: _grads_of(kt.silu_mul(x, x * w), x),
+        {"_glu_fwd_kernel", "_glu_bwd_kernel"},
+    ),
+    "gelu_mul": (
+        lambda kt, x, w: _grads_of(kt.gelu_mul(x, x * w), x),
+        {"_glu_fwd_kernel", "_glu_bwd_kernel"},
+    ),
+    "silu": (lambda kt, x, w: _grads_of(kt.silu(x), x), {"_act_fwd_kernel", "_act_bwd_kernel"}),
+    "cross_entropy": (
+        lambda kt, x, w: _grads_of(kt.cross_entropy(x, torch.arange(8) % 48), x),
+        {"_ce_fwd_kernel"},
+    ),
+    "fused_linear_cross_entropy": (
+        lambda kt, x, w: _grads_of(
+            kt.fused_linear_cross_entropy(x, w.view(1, 48).expand(40, 48) * 0.1, torch.arange(8)),
+            x,
+        ),
+        {"_ce_fwd_kernel"},
+    ),
+}
+
+
+@pytest.mark.parametrize("op", list(_OPS))
+def test_every_op_launches_its_triton_kernels(kt, op):
+    """Value checks cannot tell the Triton path from the torch fallback (same formulas): this
+    records the kernel launches themselves, so a dispatch that skips Triton fails here."""
+    from tests.gpu.launches import TritonLaunches
+
+    call, expected = _OPS[op]
+    modules = [m for name, m in sys.modules.items() if name.startswith(kt.__name__ + ".")]
+    x = torch.randn(8, 48, requires_grad=True)
+    w = (torch.rand(48) + 0.5).requires_grad_()
+    with TritonLaunches(*modules) as launches:
+        call(kt, x, w)
+    assert expected <= set(launches.counts()), dict(launches.counts())
+
+
+def test_gpu_tests_skip_in_a_run_that_switches_the_interpreter_on():
+    """A run that collects tests/gpu before tests/kernels (as the whole suite does) skips the GPU
+    tests with the interpreter's reason (tests/gpu/conftest.py), instead of running them through
+    Triton's CPU interpreter. Checked in a fresh process that starts with the interpreter off."""
+    import os
+    import subprocess
+
+    root = VARIANT.parents[4]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    gpu = "tests/gpu/test_losses_gpu.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", gpu,
+         "tests/kernels/test_package.py::test_only_relative_imports_of_the_variant"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skipped and all("TRITON_INTERPRET is on" in line for line in skipped), out.stdout
+    assert "1 passed" in out.stdout

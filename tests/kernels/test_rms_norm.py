@@ -9,6 +9,8 @@ import pytest
 import torch
 from _training_refs import DTYPES, assert_close, leaf64, rms_norm64
 
+from tests.gpu.launches import TritonLaunches
+
 # (shape, how x is laid out): awkward widths, one row, a long row, q/k-norm 4-D, non-contiguous.
 CASES = [
     ((7, 77), "contiguous"),
@@ -164,17 +166,22 @@ def test_every_backward_candidate(kt, shape):
     x64, w64 = leaf64(x.requires_grad_()), leaf64(w.requires_grad_())
     rms_norm64(x64, w64, 1e-6).backward(dy.double())
     for cfg in mod.bwd_candidates(*shape):
-        dx, dw = mod.backward(dy, x.detach(), w.detach(), rstd, False, True, cfg)
+        with TritonLaunches(mod) as launches:
+            dx, dw = mod.backward(dy, x.detach(), w.detach(), rstd, False, True, cfg)
+        launches.assert_launched("_rms_norm_bwd_kernel", **_bwd_options(cfg))
         assert_close(dx, x64.grad, torch.bfloat16, f"dx {cfg}")
         assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")
     y64 = rms_norm64(x64.detach(), w64.detach(), 1e-6)
     for cfg in mod.fwd_candidates(*shape):
-        assert_close(
-            mod.forward(x.detach(), w.detach(), 1e-6, False, cfg)[0],
-            y64,
-            torch.bfloat16,
-            f"y {cfg}",
-        )
+        with TritonLaunches(mod) as launches:
+            y = mod.forward(x.detach(), w.detach(), 1e-6, False, cfg)[0]
+        launches.assert_launched("_rms_norm_fwd_kernel", **cfg)
+        assert_close(y, y64, torch.bfloat16, f"y {cfg}")
+
+
+def _bwd_options(cfg: dict) -> dict:
+    """The launch options a backward config must reach the kernel with (per_sm sets the grid)."""
+    return {k: v for k, v in cfg.items() if k != "per_sm"}
 
 
 SAVE_OUTPUT_CASES = [
@@ -237,7 +244,9 @@ def test_save_output_every_backward_candidate(kt):
     x64, w64 = leaf64(x.requires_grad_()), leaf64(w.requires_grad_())
     rms_norm64(x64, w64, 1e-6).backward(dy.double())
     for cfg in mod.bwd_candidates(45, 1000):
-        dx, dw = mod.backward(dy, y, w.detach(), rstd, False, True, cfg, from_y=True)
+        with TritonLaunches(mod) as launches:
+            dx, dw = mod.backward(dy, y, w.detach(), rstd, False, True, cfg, from_y=True)
+        launches.assert_launched("_rms_norm_bwd_kernel", FROM_Y=True, **_bwd_options(cfg))
         assert_close(dx, x64.grad, torch.bfloat16, f"dx {cfg}")
         assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")
 

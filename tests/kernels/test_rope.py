@@ -102,20 +102,40 @@ def test_layer_matches_transformers_function(kt, dtype):
         torch.testing.assert_close(out, ref, rtol=2 * eps, atol=2 * eps * ref.abs().max().item())
 
 
-def test_every_launch_candidate(kt):
-    """The GPU picks among these geometries by timing; each one must be correct."""
+# (Hq, Hk, D): small heads take up to 8 tokens per program (BLOCK_T 4 and 8), Llama-size
+# heads one or two; every candidate of each is launched below.
+GEOMETRY_HEADS = [(4, 2, 16), (32, 8, 128)]
+
+
+@pytest.mark.parametrize("heads", GEOMETRY_HEADS, ids=str)
+def test_every_launch_candidate(kt, heads):
+    """The GPU picks among these geometries by timing; each one must be right, forward and
+    backward, for q and for k, to fp32 rounding (the launch is recorded: the geometry ran)."""
+    from tests.gpu.launches import TritonLaunches
+
     mod = sys.modules[kt.__name__ + ".rope"]
-    q, k, cos, sin = make_inputs(2, 7, 4, 2, 16, "B", torch.float32, "transposed")
-    qr, kr = rope64(q.double(), k.double(), cos.double(), sin.double())
-    for cfg in mod.rope_candidates(4, 2, 16):
+    hq, hk, d = heads
+    q, k, cos, sin = make_inputs(2, 9, hq, hk, d, "B", torch.float32, "transposed")
+    q64, k64 = leaf64(q), leaf64(k)
+    qr, kr = rope64(q64, k64, cos.double(), sin.double())
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    dq64, dk64 = torch.autograd.grad((qr, kr), (q64, k64), (gq.double(), gk.double()))
+    candidates = mod.rope_candidates(hq, hk, d)
+    for cfg in candidates:
+        with TritonLaunches(mod) as launches:
+            qo, ko = mod.rotate(q.detach(), k.detach(), cos, sin, 1, False, cfg)
+            dq, dk = mod.rotate(gq, gk, cos, sin, 1, True, cfg)
         for backward in (False, True):
-            qo, ko = mod.rotate(q.detach(), k.detach(), cos, sin, 1, backward, cfg)
-            if backward:  # the inverse rotation undoes the forward one
-                qo, ko = mod.rotate(qo, ko, cos, sin, 1, False, cfg)
-                assert_close(qo, q, torch.float32, f"q roundtrip {cfg}", factor=100)
-                continue
-            assert_close(qo, qr, torch.float32, f"q {cfg}")
-            assert_close(ko, kr, torch.float32, f"k {cfg}")
+            launches.assert_launched(
+                "_rope_kernel",
+                BLOCK_T=cfg["BLOCK_T"],
+                num_warps=cfg["num_warps"],
+                BACKWARD=backward,
+            )
+        for name, out, ref in (("q", qo, qr), ("k", ko, kr), ("dq", dq, dq64), ("dk", dk, dk64)):
+            assert_close(out, ref, torch.float32, f"{name} {cfg}")
+    if heads == (4, 2, 16):
+        assert {c["BLOCK_T"] for c in candidates} == {4, 8}  # the geometries meant above
 
 
 @pytest.fixture

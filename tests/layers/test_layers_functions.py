@@ -121,12 +121,19 @@ def _rotary_of(model):
 
 
 def test_rotary_kernel_has_gradients(repo_path):
+    """The bound rotary runs in the training forward (counted: gradients equal to the reference's
+    prove nothing if the plain function ran) and its gradients match the plain function's."""
     reference, model = tiny_qwen3(seed=2).train(), tiny_qwen3(seed=2).train()
     register_kernel_mapping({"rotary_pos_emb": {"cpu": rotary_repo(repo_path)}})
     kernelize(model, mode=Mode.TRAINING)
+    assert len(last_report(model).bound) == ROTARIES
+    layer = function_binding(model.model.layers[0].self_attn, _rotary_of(model))
+    calls = calls_of(layer)
+    before = calls["Rotary"]
     x = tokens(seed=4)
     reference(x, labels=x).loss.backward()
     model(x, labels=x).loss.backward()
+    assert calls["Rotary"] - before == ROTARIES
     for (name, a), (_, b) in zip(
         reference.named_parameters(), model.named_parameters(), strict=True
     ):

@@ -20,7 +20,7 @@ import kernels
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from kernels import KernelsError
+from kernels import InvalidMetadata, KernelsError
 from kernels import hub as hub_client
 from kernels.cache import Cache
 from kernels.cache.fsutil import safe_key
@@ -173,10 +173,19 @@ def _mutated(base: dict, keys, values):
 @example(b"[" * 100_000)
 @example(json.dumps({**VALID_METADATA, "kernel-depends": 5}).encode())
 @example(json.dumps({**VALID_METADATA, "backend": {"type": "cuda", "archs": "8.0"}}).encode())
+@example(json.dumps({**VALID_METADATA, "version": True}).encode())
 def test_metadata_json(data):
     meta = _typed(Metadata.from_bytes, data)
     if meta is not None:
-        assert meta.version == VALID_METADATA["version"] or isinstance(meta.version, int)
+        # bool is an int subclass: `True` must be refused as a version, never read as 1.
+        assert type(meta.version) is int
+        assert meta.version == json.loads(data)["version"]
+
+
+def test_metadata_version_true_is_refused():
+    """JSON `true` is a Python int subclass; the parser's bool guard must refuse it."""
+    with pytest.raises(InvalidMetadata, match="'version' must be int"):
+        Metadata.from_bytes(json.dumps({**VALID_METADATA, "version": True}).encode())
 
 
 # -- kernels.lock ------------------------------------------------------------------------------

@@ -85,6 +85,11 @@ _CHOICES: dict[tuple, dict] = {}
 TUNING_ROUNDS = 5
 
 
+def cached_config(key: tuple) -> dict | None:
+    """The config `pick_config` chose for `key` in this process, or None before it has."""
+    return _CHOICES.get(key)
+
+
 def pick_config(
     key: tuple, candidates: list[dict], launch, cold: torch.device | None = None
 ) -> dict:

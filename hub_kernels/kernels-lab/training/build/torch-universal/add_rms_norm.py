@@ -9,6 +9,9 @@ by the RMSNorm backward kernel with the incoming ds added before its one roundin
 
 Inputs of different shapes or dtypes (where the add would broadcast or promote) run the add and
 the norm separately, with the same results.
+
+The norm takes RMSNorm's options (no weight, `offset`, `casting_mode`; see rms_norm.py), and
+``in_place=True`` writes the backward's gradient of the sum over the incoming gradient of y.
 """
 
 from typing import Optional
@@ -16,8 +19,18 @@ from typing import Optional
 import torch
 
 from ._common import op_name
+from .rms_norm import (
+    CASTING_MODES,
+    LLAMA,
+    _op_numerics,
+    _torch_forward,
+    forward,
+    out_dtype,
+    resolve_numerics,
+    rms_norm,
+    use_triton_rows,
+)
 from .rms_norm import _backward_any as rms_norm_backward_any
-from .rms_norm import _torch_forward, forward, out_dtype, rms_norm, use_triton_rows
 
 
 def _forward_any(x, residual, weight, eps, gemma):
@@ -30,24 +43,32 @@ def _forward_any(x, residual, weight, eps, gemma):
     return y, s, rstd
 
 
-def _backward_any(dy, ds, s, weight, rstd, gemma, compute_dw):
+def _backward_any(dy, ds, s, weight, rstd, gemma, compute_dw, in_place=False):
     """(d of s, dW): the norm's gradient plus `ds`, the gradient of s from its other uses."""
     if dy is None:  # only s was used afterwards: the norm adds nothing
-        dw = torch.zeros_like(weight) if compute_dw else weight.new_empty(0)
+        dw = torch.zeros_like(weight) if compute_dw else s.new_empty(0)
         return ds.to(s.dtype).contiguous(), dw
-    return rms_norm_backward_any(dy, s, weight, rstd, gemma, compute_dw, ds=ds)
+    return rms_norm_backward_any(
+        dy, s, weight, rstd, gemma, compute_dw, ds=ds, in_place=in_place and dy is not ds
+    )
 
 
 @torch.library.custom_op(op_name("add_rms_norm_fwd"), mutates_args=())
 def add_rms_norm_fwd(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses typing.Optional
+    eps: float,
+    gemma: bool,
+    offset: float = 0.0,
+    mode: int = LLAMA,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward_any(x, residual, weight, eps, gemma)
+    return _forward_any(x, residual, weight, eps, _op_numerics(gemma, offset, mode))
 
 
 @add_rms_norm_fwd.register_fake
-def _(x, residual, weight, eps, gemma):
-    y = x.new_empty(x.shape, dtype=out_dtype(x, weight, gemma))
+def _(x, residual, weight, eps, gemma, offset=0.0, mode=LLAMA):
+    y = x.new_empty(x.shape, dtype=out_dtype(x, weight, _op_numerics(gemma, offset, mode)))
     return (
         y,
         torch.empty_like(x, memory_format=torch.contiguous_format),
@@ -60,37 +81,41 @@ def add_rms_norm_bwd(
     dy: torch.Tensor,
     ds: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses typing.Optional
     s: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses typing.Optional
     rstd: torch.Tensor,
     gemma: bool,
     compute_dw: bool,
+    offset: float = 0.0,
+    mode: int = LLAMA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward_any(dy, ds, s, weight, rstd, gemma, compute_dw)
+    numer = _op_numerics(gemma, offset, mode)
+    return _backward_any(dy, ds, s, weight, rstd, numer, compute_dw)
 
 
 @add_rms_norm_bwd.register_fake
-def _(dy, ds, s, weight, rstd, gemma, compute_dw):
-    dw = torch.empty_like(weight) if compute_dw else weight.new_empty(0)
+def _(dy, ds, s, weight, rstd, gemma, compute_dw, offset=0.0, mode=LLAMA):
+    dw = torch.empty_like(weight) if compute_dw else s.new_empty(0)
     return torch.empty_like(s), dw
 
 
-def _save(ctx, s, weight, rstd, gemma):
+def _save(ctx, s, weight, rstd, numer, in_place=False):
     """Keep the sum (the norm's input), the weight and rstd for the backward."""
     ctx.save_for_backward(s, weight, rstd)
-    ctx.gemma = gemma
+    ctx.numer, ctx.in_place = numer, in_place
 
 
 def _setup_context(ctx, inputs, output):
-    _x, _residual, weight, _eps, gemma = inputs
+    _x, _residual, weight, _eps, gemma, offset, mode = inputs
     _y, s, rstd = output
-    _save(ctx, s, weight, rstd, gemma)
+    _save(ctx, s, weight, rstd, _op_numerics(gemma, offset, mode))
 
 
 def _backward(ctx, dy, ds, _drstd):
     s, weight, rstd = ctx.saved_tensors
-    need_dw = ctx.needs_input_grad[2]
-    dsum, dw = add_rms_norm_bwd(dy, ds, s, weight, rstd, ctx.gemma, need_dw)
-    return dsum, dsum, (dw if need_dw else None), None, None
+    need_dw = weight is not None and ctx.needs_input_grad[2]
+    offset, mode = ctx.numer
+    dsum, dw = add_rms_norm_bwd(dy, ds, s, weight, rstd, False, need_dw, offset, mode)
+    return dsum, dsum, (dw if need_dw else None), None, None, None, None
 
 
 add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -100,9 +125,9 @@ class _AddRMSNormFunction(torch.autograd.Function):
     """The eager path: the same kernels without the custom-op dispatch cost on every call."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, gemma):
-        y, s, rstd = _forward_any(x, residual, weight, eps, gemma)
-        _save(ctx, s, weight, rstd, gemma)
+    def forward(ctx, x, residual, weight, eps, numer, in_place):
+        y, s, rstd = _forward_any(x, residual, weight, eps, numer)
+        _save(ctx, s, weight, rstd, numer, in_place)
         ctx.set_materialize_grads(False)  # an unused output costs no zero-filled gradient
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             ctx.mark_non_differentiable(s)  # as torch's add of two tensors without grad
@@ -111,28 +136,42 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds):
         s, weight, rstd = ctx.saved_tensors
-        need_dw = ctx.needs_input_grad[2]
+        need_dw = weight is not None and ctx.needs_input_grad[2]
         if dy is None and ds is None:
-            return None, None, None, None, None
-        dsum, dw = _backward_any(dy, ds, s, weight, rstd, ctx.gemma, need_dw)
+            return None, None, None, None, None, None
+        dsum, dw = _backward_any(dy, ds, s, weight, rstd, ctx.numer, need_dw, ctx.in_place)
         # Like torch's add: both summands get the same gradient tensor.
-        return dsum, dsum, (dw if need_dw else None), None, None
+        return dsum, dsum, (dw if need_dw else None), None, None, None
 
 
 def fused_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     gemma: bool = False,
+    *,
+    offset: float = 0.0,
+    casting_mode: str | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) in one pass; HF Llama numerics (Gemma's with
-    ``gemma=True``) on the sum rounded to the inputs' dtype."""
+    """(rms_norm(x + residual), x + residual) in one pass, the norm on the sum rounded to the
+    inputs' dtype, with `rms_norm`'s `offset`, `casting_mode` and no-weight options (HF Llama
+    numerics by default; ``gemma=True`` is offset 1.0 in gemma mode).
+
+    ``in_place=True`` writes the backward's gradient of the sum over y's incoming gradient; as
+    with `rms_norm`, only when nothing else reads that gradient tensor. Ignored under compile.
+    """
+    numer = resolve_numerics(gemma, offset, casting_mode)
     if x.shape != residual.shape or x.dtype != residual.dtype or x.device != residual.device:
         s = residual + x
-        return rms_norm(s, weight, eps, gemma), s
+        kw = {"offset": numer[0], "casting_mode": _MODE_NAMES[numer[1]], "in_place": in_place}
+        return rms_norm(s, weight, eps, **kw), s
     if torch.compiler.is_compiling():
-        y, s, _rstd = add_rms_norm_fwd(x, residual, weight, float(eps), gemma)
+        y, s, _rstd = add_rms_norm_fwd(x, residual, weight, float(eps), False, *numer)
         # A custom op's outputs all require grad when any input does; torch's add would not.
         return y, (s if x.requires_grad or residual.requires_grad else s.detach())
-    return _AddRMSNormFunction.apply(x, residual, weight, float(eps), gemma)
+    return _AddRMSNormFunction.apply(x, residual, weight, float(eps), numer, in_place)
+
+
+_MODE_NAMES = {mode: name for name, mode in CASTING_MODES.items()}

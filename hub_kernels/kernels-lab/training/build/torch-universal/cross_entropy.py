@@ -26,6 +26,7 @@ When a gradient is needed the logits buffer is consumed: it holds the gradient a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -45,6 +46,14 @@ def _softcap(x, cap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _smooth_term(z, cw_ptr, cols, mask, HAS_WEIGHT: tl.constexpr):
+    """What label smoothing sums over a row's columns: z_j, or w_j z_j with class weights."""
+    if HAS_WEIGHT:
+        return z * tl.load(cw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return z
+
+
+@triton.jit
 def _grad(p, z, cols, y, scale, coef, smoothing, off_eps, cap, HAS_SOFTCAP: tl.constexpr):
     """scale * dloss/dx from the softmax p and the (capped) logits z of one block."""
     g = p * coef - off_eps
@@ -54,6 +63,25 @@ def _grad(p, z, cols, y, scale, coef, smoothing, off_eps, cap, HAS_SOFTCAP: tl.c
         t = z / cap
         g = g * (1.0 - t * t)
     return g * scale
+
+
+@triton.jit
+def _grad_weighted(
+    p, z, cols, mask, y, wy, cw_ptr, sumw, ce_scale, z_scale, lse, lse_sq_scale, smoothing, V, cap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+):  # fmt: skip
+    """dloss/dx with class weights w: the cross-entropy part (weighted, as torch's) scaled by
+    ce_scale, the z-loss part (unweighted, as Liger's) by z_scale."""
+    g = (wy * (1.0 - smoothing)) * p
+    g = tl.where(cols == y, g - wy * (1.0 - smoothing), g)
+    if HAS_SMOOTHING:
+        w = tl.load(cw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        g += (smoothing / V) * (sumw * p - w)
+    g = g * ce_scale + (2.0 * lse_sq_scale * lse * z_scale) * p
+    if HAS_SOFTCAP:
+        t = z / cap
+        g = g * (1.0 - t * t)
+    return g
 
 
 @triton.jit
@@ -69,9 +97,15 @@ def _write_grad(
     smoothing,
     lse_sq_scale,
     cap,
+    wy,
+    cw_ptr,
+    sumw,
+    z_scale,
     BLOCK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     STORE_POLICY: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
 ):
     """Overwrite columns [lo, hi) of one row with scale * dloss/dx, reading them again."""
     coef = 1.0 + 2.0 * lse_sq_scale * lse
@@ -82,7 +116,13 @@ def _write_grad(
         x = tl.load(row_in + cols, mask=mask, other=0.0).to(tl.float32)
         z = _softcap(x, cap, HAS_SOFTCAP)
         p = tl.exp2((z - lse) * 1.4426950408889634)
-        g = _grad(p, z, cols, y, scale, coef, smoothing, off_eps, cap, HAS_SOFTCAP)
+        if HAS_WEIGHT:
+            g = _grad_weighted(
+                p, z, cols, mask, y, wy, cw_ptr, sumw, scale, z_scale, lse, lse_sq_scale,
+                smoothing, V, cap, HAS_SOFTCAP, HAS_SMOOTHING,
+            )  # fmt: skip
+        else:
+            g = _grad(p, z, cols, y, scale, coef, smoothing, off_eps, cap, HAS_SOFTCAP)
         tl.store(
             row_out + cols, g.to(row_out.dtype.element_ty), mask=mask, eviction_policy=STORE_POLICY
         )
@@ -101,6 +141,10 @@ def _ce_fwd_kernel(
     count_ptr,
     gscale_ptr,
     rscale_ptr,
+    cw_ptr,
+    sumw_ptr,
+    zscale_ptr,
+    pred_ptr,
     n_rows,
     V,
     ignore_index,
@@ -120,7 +164,11 @@ def _ce_fwd_kernel(
     ONE_PASS: tl.constexpr,
     LOAD_POLICY: tl.constexpr,
     STORE_POLICY: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_PRED: tl.constexpr,
 ):
+    # HAS_WEIGHT: class weights at cw_ptr (fp32), their sum at sumw_ptr, the z-loss gradient's
+    # own scale at zscale_ptr. HAS_PRED: the row's argmax (first of ties) stored at pred_ptr.
     # OWN_CHUNK: each program writes the gradient of its own chunk, since it learns the row's
     # totals (alone on the row, or by waiting for its siblings); otherwise the last program to
     # finish writes the row. ONE_PASS: one block per chunk, kept in registers from the load to
@@ -148,6 +196,8 @@ def _ce_fwd_kernel(
         if chunk == 0:
             tl.store(loss_ptr + row, 0.0)
             tl.store(lse_ptr + row, 0.0)
+            if HAS_PRED:
+                tl.store(pred_ptr + row, -1)
     else:
         # This program's chunk: max m and sum s of exp(z - m), in fp32 (online over blocks).
         if ONE_PASS:
@@ -156,28 +206,37 @@ def _ce_fwd_kernel(
             x = tl.load(row_in + cols, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
             z = tl.where(mask, _softcap(x.to(tl.float32), cap, HAS_SOFTCAP), float("-inf"))
             m = tl.max(z, 0)
+            arg = c0
+            if HAS_PRED:
+                arg = c0 + tl.argmax(z, 0)
             e = tl.exp2((z - m) * 1.4426950408889634)
             s = tl.sum(e, 0)
             sz = 0.0
             if HAS_SMOOTHING:
-                sz = tl.sum(tl.where(mask, z, 0.0), 0)
+                sz = tl.sum(tl.where(mask, _smooth_term(z, cw_ptr, cols, mask, HAS_WEIGHT), 0.0), 0)
             m_own = m
         else:
             m = -1.0e30
             s = 0.0
             sz = 0.0
+            arg = c0
             for start in range(c0, c1, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 mask = cols < c1
                 x = tl.load(row_in + cols, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
                 z = tl.where(mask, _softcap(x.to(tl.float32), cap, HAS_SOFTCAP), float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, 0))
+                zmax = tl.max(z, 0)
+                if HAS_PRED:  # strictly greater: the first of equal maxima wins
+                    arg = tl.where(zmax > m, start + tl.argmax(z, 0), arg)
+                m_new = tl.maximum(m, zmax)
                 s = s * tl.exp2((m - m_new) * 1.4426950408889634) + tl.sum(
                     tl.exp2((z - m_new) * 1.4426950408889634), 0
                 )
                 m = m_new
                 if HAS_SMOOTHING:
-                    sz += tl.sum(tl.where(mask, z, 0.0), 0)
+                    sz += tl.sum(
+                        tl.where(mask, _smooth_term(z, cw_ptr, cols, mask, HAS_WEIGHT), 0.0), 0
+                    )
         done = True  # this program holds the row's totals
         if NUM_CHUNKS > 1:
             # Publish the partials, then count in. A CTA barrier plus the counter's acq_rel
@@ -187,6 +246,8 @@ def _ce_fwd_kernel(
             tl.store(sbase, m)
             tl.store(sbase + 1, s)
             tl.store(sbase + 2, sz)
+            if HAS_PRED:  # exact as fp32 below 2**24 columns
+                tl.store(sbase + 3, arg.to(tl.float32))
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
             if SPIN:
@@ -205,6 +266,10 @@ def _ce_fwd_kernel(
                 s = tl.sum(ss * tl.exp2((ms - m) * 1.4426950408889634), 0)
                 if HAS_SMOOTHING:
                     sz = tl.sum(tl.load(rbase + 2, mask=kmask, other=0.0, volatile=True), 0)
+                if HAS_PRED:  # the first chunk holding the row's max, then its own argmax
+                    args = tl.load(rbase + 3, mask=kmask, other=0.0, volatile=True)
+                    best = tl.argmax(ms, 0)
+                    arg = tl.sum(tl.where(k == best, args, 0.0), 0).to(tl.int32)
         if done:
             lse = m + tl.log(s)
             valid = (y >= 0) & (y < V)
@@ -221,9 +286,18 @@ def _ce_fwd_kernel(
                     zy = tl.sum(tl.where(cols == y_safe, z, 0.0), 0)
                 else:
                     zy = _softcap(tl.load(row_in + y_safe).to(tl.float32), cap, HAS_SOFTCAP)
-                loss = lse - (1.0 - smoothing) * zy + lse_sq_scale * lse * lse
-                if HAS_SMOOTHING:
-                    loss -= smoothing / V * sz
+                if HAS_WEIGHT:
+                    # torch's weighted loss: w_y (1 - eps) (lse - z_y) + eps / V sum_j w_j (lse - z_j)
+                    wy = tl.load(cw_ptr + y_safe).to(tl.float32)
+                    loss = wy * (1.0 - smoothing) * (lse - zy) + lse_sq_scale * lse * lse
+                    if HAS_SMOOTHING:
+                        loss += smoothing / V * (tl.load(sumw_ptr) * lse - sz)
+                else:
+                    loss = lse - (1.0 - smoothing) * zy + lse_sq_scale * lse * lse
+                    if HAS_SMOOTHING:
+                        loss -= smoothing / V * sz
+                if HAS_PRED:
+                    tl.store(pred_ptr + row, arg.to(tl.int64))
                 # A target outside [0, V) that is not ignore_index: NaN loss (no host check).
                 loss = tl.where(valid, loss, float("nan"))
                 tl.store(loss_ptr + row, loss)
@@ -233,15 +307,30 @@ def _ce_fwd_kernel(
                 # read the target logit above: every thread reads before any thread writes.
                 tl.debug_barrier()
                 scale = tl.load(gscale_ptr).to(tl.float32)
+                z_scale = scale
+                wy = 1.0
+                sumw = 0.0
+                if HAS_WEIGHT:
+                    wy = tl.load(cw_ptr + y_safe).to(tl.float32)
+                    sumw = tl.load(sumw_ptr)
+                    z_scale = tl.load(zscale_ptr).to(tl.float32)
                 if HAS_ROW_SCALE:
-                    scale = scale * tl.load(rscale_ptr + row).to(tl.float32)
+                    rs = tl.load(rscale_ptr + row).to(tl.float32)
+                    scale = scale * rs
+                    z_scale = z_scale * rs
                 if ONE_PASS:
                     # softmax = exp(z - m_own) * exp(m_own - lse): one exp per element in all.
                     p = e * tl.exp2((m_own - lse) * 1.4426950408889634)
                     coef = 1.0 + 2.0 * lse_sq_scale * lse
-                    g = _grad(
-                        p, z, cols, y, scale, coef, smoothing, smoothing / V, cap, HAS_SOFTCAP
-                    )
+                    if HAS_WEIGHT:
+                        g = _grad_weighted(
+                            p, z, cols, mask, y, wy, cw_ptr, sumw, scale, z_scale, lse,
+                            lse_sq_scale, smoothing, V, cap, HAS_SOFTCAP, HAS_SMOOTHING,
+                        )  # fmt: skip
+                    else:
+                        g = _grad(
+                            p, z, cols, y, scale, coef, smoothing, smoothing / V, cap, HAS_SOFTCAP
+                        )
                     g = g.to(row_out.dtype.element_ty)
                     tl.store(row_out + cols, g, mask=mask, eviction_policy=STORE_POLICY)
                 else:
@@ -262,9 +351,15 @@ def _ce_fwd_kernel(
                         smoothing,
                         lse_sq_scale,
                         cap,
+                        wy,
+                        cw_ptr,
+                        sumw,
+                        z_scale,
                         BLOCK,
                         HAS_SOFTCAP,
                         STORE_POLICY,
+                        HAS_WEIGHT,
+                        HAS_SMOOTHING,
                     )
 
 
@@ -346,11 +441,17 @@ def ce_rows(
     lse_square_scale: float = 0.0,
     softcap: float | None = None,
     config: CEConfig | None = None,
+    weight: torch.Tensor | None = None,
+    z_scale: torch.Tensor | None = None,
+    pred: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and log-sum-exp (fp32) of [N, V] logits; when `grad` is given, write
     ``grad_scale * row_scale[row] * dloss/dlogits`` into it (``grad`` may be ``logits`` itself).
 
     `grad_scale` is a one-element fp32 device tensor, so a mean's 1/count needs no host sync.
+    With class weights `weight` ([V] fp32, contiguous) the loss is torch's weighted one plus the
+    unweighted z-loss, whose gradient takes `z_scale` (one-element fp32) instead of grad_scale.
+    With `pred` ([N] int64) each row's argmax (first of ties; -1 for ignored rows) is stored.
     """
     n, vocab = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -368,6 +469,9 @@ def ce_rows(
             label_smoothing,
             lse_square_scale,
             softcap,
+            weight,
+            z_scale,
+            pred,
         )
     cfg = config or default_config(vocab, logits.device)
     num_chunks = cdiv(vocab, cfg.chunk)
@@ -391,6 +495,10 @@ def ce_rows(
         counts,
         grad_scale,
         grad_scale if row_scale is None else row_scale,
+        loss if weight is None else weight,  # unused stand-ins without weights
+        loss if weight is None else weight.sum().reshape(1),
+        grad_scale if z_scale is None else z_scale,
+        loss if pred is None else pred,
         n,
         vocab,
         ignore_index,
@@ -410,14 +518,17 @@ def ce_rows(
         ONE_PASS=cfg.one_pass and (spin or num_chunks == 1),
         LOAD_POLICY="evict_last" if cfg.evict else "",
         STORE_POLICY="evict_first" if cfg.evict else "",
+        HAS_WEIGHT=weight is not None,
+        HAS_PRED=pred is not None,
         num_warps=cfg.num_warps,
     )
     return loss, lse
 
 
 def _torch_ce_rows(
-    logits, target, grad, grad_scale, row_scale, ignore_index, smoothing, lse_sq, softcap
-):
+    logits, target, grad, grad_scale, row_scale, ignore_index, smoothing, lse_sq, softcap,
+    weight=None, z_scale=None, pred=None,
+):  # fmt: skip
     """The same contract as the kernel, in torch, a few rows at a time (CPU without Triton)."""
     n, vocab = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -432,22 +543,41 @@ def _torch_ce_rows(
         valid = (t >= 0) & (t < vocab)
         ts = torch.where(valid, t, 0)
         zy = z.gather(1, ts[:, None])[:, 0]
-        row_loss = lse - (1.0 - smoothing) * zy + lse_sq * lse * lse
-        if smoothing:
-            row_loss = row_loss - smoothing / vocab * z.sum(1)
+        if pred is not None:
+            pred[r0 : r0 + step] = torch.where(ignored, -1, z.argmax(1))
+        w = None if weight is None else weight.float()
+        wy = 1.0 if w is None else w[ts]
+        if w is None:
+            row_loss = lse - (1.0 - smoothing) * zy + lse_sq * lse * lse
+            if smoothing:
+                row_loss = row_loss - smoothing / vocab * z.sum(1)
+        else:
+            row_loss = wy * (1.0 - smoothing) * (lse - zy) + lse_sq * lse * lse
+            if smoothing:
+                row_loss = row_loss + smoothing / vocab * (w.sum() * lse - (z * w).sum(1))
         row_loss = torch.where(valid, row_loss, float("nan"))
         loss[r0 : r0 + step] = torch.where(ignored, 0.0, row_loss)
         lse_out[r0 : r0 + step] = torch.where(ignored, 0.0, lse)
         if grad is None:
             continue
-        g = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * lse_sq * lse)[:, None] - smoothing / vocab
-        g[torch.arange(len(t)), ts] -= torch.where(valid, 1.0 - smoothing, 0.0)
+        p = torch.exp(z - lse[:, None])
+        rs = 1.0 if row_scale is None else row_scale[r0 : r0 + step].float()[:, None]
+        scale = grad_scale.float().reshape(1, 1) * rs
+        rows = torch.arange(len(t))
+        if w is None:
+            g = p * (1.0 + 2.0 * lse_sq * lse)[:, None] - smoothing / vocab
+            g[rows, ts] -= torch.where(valid, 1.0 - smoothing, 0.0)
+            g = g * scale
+        else:
+            g = (wy * (1.0 - smoothing))[:, None] * p
+            g[rows, ts] -= torch.where(valid, wy * (1.0 - smoothing), 0.0)
+            if smoothing:
+                g = g + smoothing / vocab * (w.sum() * p - w)
+            zs = (grad_scale if z_scale is None else z_scale).float().reshape(1, 1) * rs
+            g = g * scale + (2.0 * lse_sq * lse)[:, None] * zs * p
         if softcap:
             g = g * (1.0 - (z / softcap) ** 2)
-        scale = grad_scale.float().reshape(1, 1).expand(len(t), 1)
-        if row_scale is not None:
-            scale = scale * row_scale[r0 : r0 + step].float()[:, None]
-        g = torch.where(ignored[:, None], 0.0, g * scale)
+        g = torch.where(ignored[:, None], 0.0, g)
         grad[r0 : r0 + step] = g.to(grad.dtype)
     return loss, lse_out
 
@@ -481,18 +611,46 @@ def grad_scale_tensor(
     target: torch.Tensor,
     ignore_index: int,
     num_items: int | float | torch.Tensor | None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The factor a row's gradient carries for `reduction`, as a one-element fp32 device tensor."""
+    """The factor a row's gradient carries for `reduction`, as a one-element fp32 device tensor.
+
+    A weighted mean divides by the kept rows' summed target weights (torch's weighted mean);
+    `num_items`, when given, replaces either count.
+    """
     dev = target.device
     if reduction != "mean":
         return torch.ones(1, dtype=torch.float32, device=dev)
     if num_items is None:
-        count = (target != ignore_index).sum(dtype=torch.float32)
+        keep = target != ignore_index
+        if weight is None:
+            count = keep.sum(dtype=torch.float32)
+        else:
+            rows = torch.where(keep, target, 0).clamp(0, weight.numel() - 1)
+            count = (weight.float()[rows] * keep).sum()
     elif isinstance(num_items, torch.Tensor):
         count = num_items.detach().to(device=dev, dtype=torch.float32)
     else:
         count = torch.full((), float(num_items), dtype=torch.float32, device=dev)
     return torch.reciprocal(count).reshape(1)
+
+
+class TargetOutOfRange(ValueError):
+    """A target outside [0, V) that is not ignore_index (found by ``check_targets=True``)."""
+
+
+def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise TargetOutOfRange for a target outside [0, vocab) other than ignore_index.
+
+    Costs one device-to-host sync; without it such a row's loss is NaN (no sync).
+    """
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if bool(bad.any()):
+        first = int(target[bad][0])
+        raise TargetOutOfRange(
+            f"{int(bad.sum())} target(s) outside [0, {vocab}) and not ignore_index "
+            f"({ignore_index}), the first {first}: fix the labels or set them to ignore_index"
+        )
 
 
 def check_options(reduction: str, label_smoothing: float, softcap: float | None) -> None:
@@ -511,8 +669,72 @@ def reduce_rows(loss: torch.Tensor, reduction: str, grad_scale: torch.Tensor) ->
     return total * grad_scale[0] if reduction == "mean" else total
 
 
+class Extras(NamedTuple):
+    """What the options ask for besides the loss (fp32, int64), computed in the same pass."""
+
+    z_loss: torch.Tensor | None
+    token_accuracy: torch.Tensor | None
+    predicted_tokens: torch.Tensor | None
+
+
+class CrossEntropyOutput(NamedTuple):
+    """The loss and, where asked for, the z-loss, the token accuracy and the predicted tokens.
+
+    ``z_loss``: lse_square_scale * lse**2, reduced like the loss but unweighted (already part
+    of ``loss``; returned for logging, no gradient). ``token_accuracy``: the fraction of kept
+    rows whose argmax is the target (per row, 0 or 1, with ``reduction="none"``).
+    ``predicted_tokens``: each row's argmax (first of ties), -1 for ignored rows.
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
+
+
+def reduce_with_options(
+    loss: torch.Tensor,
+    lse: torch.Tensor,
+    target: torch.Tensor,
+    pred: torch.Tensor | None,
+    *,
+    reduction: str,
+    gscale: torch.Tensor,
+    zscale: torch.Tensor | None,
+    lse_square_scale: float,
+    ignore_index: int,
+    want_z: bool,
+    want_acc: bool,
+    row_factor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Extras]:
+    """The reduced loss (weighted CE over its count, z-loss over the row count when `zscale`
+    differs) and the extras, from the per-row loss and log-sum-exp. `row_factor`: what each
+    row's loss was multiplied by after the kernel (fused linear CE's token scaling)."""
+    z_rows = None
+    if want_z or zscale is not None:
+        z_rows = lse_square_scale * lse * lse
+        if row_factor is not None:
+            z_rows = z_rows * row_factor
+    if zscale is not None and reduction == "mean" and lse_square_scale:
+        total = (loss - z_rows).sum() * gscale[0] + z_rows.sum() * zscale[0]
+    else:
+        total = reduce_rows(loss, reduction, gscale)
+    z = acc = None
+    if want_z:
+        z = reduce_rows(z_rows, reduction, gscale if zscale is None else zscale)
+    if want_acc:
+        keep = target != ignore_index
+        correct = ((pred == target) & keep).float()
+        acc = correct if reduction == "none" else correct.sum() / keep.sum().clamp_min(1)
+    return total, Extras(z, acc, pred)
+
+
 class CrossEntropyFunction(torch.autograd.Function):
-    """Autograd wrapper: the forward writes the gradient; the backward only rescales it."""
+    """Autograd wrapper: the forward writes the gradient; the backward only rescales it.
+
+    Returns (loss, z_loss, token_accuracy, predicted_tokens), the last three empty unless asked
+    for and never differentiable.
+    """
 
     @staticmethod
     def forward(
@@ -527,12 +749,23 @@ class CrossEntropyFunction(torch.autograd.Function):
         num_items,
         inplace: bool,
         need_grad: bool,
-    ) -> torch.Tensor:
-        gscale = grad_scale_tensor(reduction, target, ignore_index, num_items)
+        weight: torch.Tensor | None,
+        want: tuple[bool, bool, bool],
+    ):
+        want_z, want_acc, want_pred = want
+        w = None if weight is None else weight.detach().float().contiguous()
+        gscale = grad_scale_tensor(reduction, target, ignore_index, num_items, w)
+        # The z-loss is unweighted (Liger's choice): with weights its mean has its own count.
+        zscale = None
+        if w is not None:
+            zscale = grad_scale_tensor(reduction, target, ignore_index, num_items)
+        pred = None
+        if want_acc or want_pred:
+            pred = torch.empty(target.shape, dtype=torch.int64, device=target.device)
         grad = None
         if need_grad:
             grad = logits if inplace else torch.empty_like(logits)
-        loss, _ = ce_rows(
+        loss, lse = ce_rows(
             logits,
             target,
             grad,
@@ -541,22 +774,32 @@ class CrossEntropyFunction(torch.autograd.Function):
             label_smoothing=label_smoothing,
             lse_square_scale=lse_square_scale,
             softcap=softcap,
+            weight=w,
+            z_scale=zscale,
+            pred=pred,
         )
         if grad is not None and inplace:
             # Anyone who saved these logits for their own backward now gets autograd's
             # "modified by an inplace operation" error instead of silently wrong gradients.
             torch.autograd.graph.increment_version(logits)
         ctx.grad = grad
-        ctx.reduction = reduction
-        return reduce_rows(loss, reduction, gscale)
+        total, extras = reduce_with_options(
+            loss, lse, target, pred, reduction=reduction, gscale=gscale, zscale=zscale,
+            lse_square_scale=lse_square_scale, ignore_index=ignore_index, want_z=want_z,
+            want_acc=want_acc,
+        )  # fmt: skip
+        empty = loss.new_empty(0)
+        outs = [t if t is not None else empty for t in extras]
+        ctx.mark_non_differentiable(*outs)
+        return (total, *outs)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, *_extras):
         grad, ctx.grad = ctx.grad, None
         if grad is None:
-            return (None,) * 10
+            return (None,) * 12
         scale_rows_(grad, grad_out)
-        return (grad,) + (None,) * 9
+        return (grad,) + (None,) * 11
 
 
 def cross_entropy(
@@ -570,12 +813,25 @@ def cross_entropy(
     reduction: str = "mean",
     num_items: int | float | torch.Tensor | None = None,
     inplace: bool = True,
-) -> torch.Tensor:
+    weight: torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    check_targets: bool = False,
+) -> torch.Tensor | CrossEntropyOutput:
     """Cross-entropy of ``logits[..., V]`` against integer ``target[...]``; an fp32 loss.
 
     ``mean`` divides by the non-ignored count, or by ``num_items`` when given (transformers'
     ``num_items_in_batch``). With ``inplace=True`` and a gradient needed, the logits buffer is
     overwritten by the gradient during the forward (zero extra memory): do not read it afterwards.
+
+    ``weight`` ([V] class weights): torch's weighted loss, its mean over the kept rows' summed
+    target weights; the z-loss stays unweighted, its mean over the kept row count (Liger's).
+    ``return_z_loss`` / ``return_token_accuracy`` / ``return_predicted_tokens``: return a
+    `CrossEntropyOutput` instead of the loss alone (see its docstring); all come from the same
+    pass over the logits. A target outside [0, V) that is not ignore_index gives a NaN loss for
+    its row (no host sync); ``check_targets=True`` raises `TargetOutOfRange` instead, at the
+    price of one sync.
     """
     check_options(reduction, label_smoothing, softcap)
     vocab = logits.shape[-1]
@@ -584,8 +840,12 @@ def cross_entropy(
             f"target shape {tuple(target.shape)} must equal logits shape without its last "
             f"dimension, {tuple(logits.shape[:-1])}"
         )
+    check_weight(weight, vocab, logits.device)
+    if check_targets:
+        check_target_range(target, vocab, ignore_index)
     rows = logits.reshape(-1, vocab).contiguous()  # a view unless the rows are strided
-    loss = CrossEntropyFunction.apply(
+    want = (return_z_loss, return_token_accuracy, return_predicted_tokens)
+    loss, z, acc, pred = CrossEntropyFunction.apply(
         rows,
         target.reshape(-1).contiguous(),
         ignore_index,
@@ -598,5 +858,30 @@ def cross_entropy(
         # Not ctx.needs_input_grad: that stays True under torch.no_grad(), and the logits
         # must not be consumed when no backward will come.
         torch.is_grad_enabled() and logits.requires_grad,
+        weight,
+        want,
     )
-    return loss.view(target.shape) if reduction == "none" else loss
+    if reduction == "none":
+        loss = loss.view(target.shape)
+        acc = acc.view(target.shape) if return_token_accuracy else acc
+    if not any(want):
+        return loss
+    return CrossEntropyOutput(
+        loss,
+        z.view(target.shape)
+        if return_z_loss and reduction == "none"
+        else (z if return_z_loss else None),
+        acc if return_token_accuracy else None,
+        pred.view(target.shape) if return_predicted_tokens else None,
+    )
+
+
+def check_weight(weight: torch.Tensor | None, vocab: int, device: torch.device) -> None:
+    """Class weights must be one float per class, on the logits' device."""
+    if weight is None:
+        return
+    if weight.shape != (vocab,) or not weight.is_floating_point() or weight.device != device:
+        raise ValueError(
+            f"weight must be a float tensor of shape ({vocab},) on {device}, got "
+            f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )

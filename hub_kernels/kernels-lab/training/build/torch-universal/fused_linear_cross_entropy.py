@@ -27,10 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from .cross_entropy import (
+    CrossEntropyOutput,
     ce_rows,
     check_options,
+    check_target_range,
+    check_weight,
     grad_scale_tensor,
-    reduce_rows,
+    reduce_with_options,
     scale_rows_,
 )
 
@@ -59,6 +62,10 @@ class _Options:
     softcap: float | None
     reduction: str
     chunk_rows: int | None
+    class_weight: torch.Tensor | None = None  # fp32 [V], contiguous
+    accum_fp32: bool = False
+    token_scaling: bool = False
+    want: tuple[bool, bool, bool] = (False, False, False)  # z-loss, accuracy, predicted tokens
 
 
 def _chunked(
@@ -70,8 +77,10 @@ def _chunked(
     gscale: torch.Tensor,
     row_scale: torch.Tensor | None,
     need: tuple[bool, bool, bool],
+    zscale: torch.Tensor | None = None,
 ):
-    """Loss rows, and (when `need` asks) d(hidden), d(weight), fp32 d(bias), chunk by chunk."""
+    """Loss rows, and (when `need` asks) d(hidden), d(weight), fp32 d(bias), chunk by chunk;
+    then the rows' log-sum-exp, token-scaling factors and argmax where the options ask."""
     n = hidden.shape[0]
     vocab = weight.shape[0]
     need_x, need_w, need_b = need
@@ -80,8 +89,20 @@ def _chunked(
     buf = torch.empty(min(rows, n), vocab, dtype=hidden.dtype, device=hidden.device)
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     dx = torch.empty_like(hidden) if need_x else None
-    dw = torch.empty_like(weight) if need_w else None
+    # accum_fp32: d(weight) summed in fp32 over chunks (each chunk's product rounded once, then
+    # added exactly enough), at 4·V·H bytes more; rounded to the weight's dtype at the end.
+    dw_dtype = torch.float32 if opts.accum_fp32 else weight.dtype
+    dw = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if need_w else None
     db = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_b else None
+    want_z, want_acc, want_pred = opts.want
+    keep_lse = want_z or opts.token_scaling or opts.class_weight is not None
+    lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device) if keep_lse else None
+    pred = None
+    if want_acc or want_pred:
+        pred = torch.empty(n, dtype=torch.int64, device=hidden.device)
+    factor = (
+        torch.empty(n, dtype=torch.float32, device=hidden.device) if opts.token_scaling else None
+    )
     wt = weight.t()
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -91,9 +112,15 @@ def _chunked(
             torch.mm(x, wt, out=logits)
         else:
             torch.addmm(bias, x, wt, out=logits)
-        loss[r0:r1], _ = ce_rows(
+        t = target[r0:r1]
+        if opts.token_scaling:  # the target logits, read before the kernel overwrites them
+            keep = (t != opts.ignore_index) & (t >= 0) & (t < vocab)
+            zy = logits.gather(1, torch.where(keep, t, 0)[:, None])[:, 0].float()
+            if opts.softcap:
+                zy = opts.softcap * torch.tanh(zy / opts.softcap)
+        loss[r0:r1], lse = ce_rows(
             logits,
-            target[r0:r1],
+            t,
             logits if write_grad else None,
             gscale,
             row_scale=None if row_scale is None else row_scale[r0:r1],
@@ -101,48 +128,90 @@ def _chunked(
             label_smoothing=opts.label_smoothing,
             lse_square_scale=opts.lse_square_scale,
             softcap=opts.softcap,
+            weight=opts.class_weight,
+            z_scale=zscale,
+            pred=None if pred is None else pred[r0:r1],
         )
+        if lse_all is not None:
+            lse_all[r0:r1] = lse
+        if opts.token_scaling:
+            # Liger's token scaling: each row's loss and gradient times its target's softmax
+            # probability, held constant (no gradient through it); one more pass over the chunk.
+            p = torch.where(keep, torch.exp(zy - lse), 0.0)
+            factor[r0:r1] = p
+            loss[r0:r1] *= p
+            if write_grad:
+                scale_rows_(logits, p)
         if need_x:
             torch.mm(logits, weight, out=dx[r0:r1])
         if need_w:
-            if r0 == 0:
+            if opts.accum_fp32:
+                product = logits.t() @ x
+                if r0 == 0:
+                    dw.copy_(product)
+                else:
+                    dw.add_(product)
+                del product
+            elif r0 == 0:
                 torch.mm(logits.t(), x, out=dw)
             else:
                 dw.addmm_(logits.t(), x)
         if need_b:
             db += logits.sum(0, dtype=torch.float32)
-    return loss, dx, dw, db
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    return loss, dx, dw, db, (lse_all, factor, pred)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Autograd wrapper over `_chunked`; see the module docstring for where the work happens."""
+    """Autograd wrapper over `_chunked`; see the module docstring for where the work happens.
+
+    Returns (loss, z_loss, token_accuracy, predicted_tokens), the last three empty unless asked
+    for and never differentiable.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, opts: _Options, num_items, need):
-        gscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items)
+        cw = opts.class_weight
+        gscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items, cw)
+        zscale = None
+        if cw is not None:  # the z-loss is unweighted: its mean has the row count
+            zscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items)
         ctx.opts = opts
         ctx.deferred = opts.reduction == "none" and any(need)
         device_type = hidden.device.type
         with torch.autocast(device_type, enabled=False):
             if ctx.deferred:
-                loss, *_ = _chunked(
-                    hidden, weight, bias, target, opts, gscale, None, (False, False, False)
-                )
+                loss, _, _, _, extras = _chunked(
+                    hidden, weight, bias, target, opts, gscale, None, (False, False, False),
+                    zscale,
+                )  # fmt: skip
                 ctx.save_for_backward(hidden, weight, bias, target)
                 ctx.grads = None
-                return loss
-            loss, dx, dw, db = _chunked(hidden, weight, bias, target, opts, gscale, None, need)
-        ctx.grads = (dx, dw, db)
+            else:
+                loss, dx, dw, db, extras = _chunked(
+                    hidden, weight, bias, target, opts, gscale, None, need, zscale
+                )
+                ctx.grads = (dx, dw, db)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return reduce_rows(loss, opts.reduction, gscale)
+        lse, factor, pred = extras
+        total, out = reduce_with_options(
+            loss, lse, target, pred, reduction=opts.reduction, gscale=gscale, zscale=zscale,
+            lse_square_scale=opts.lse_square_scale, ignore_index=opts.ignore_index,
+            want_z=opts.want[0], want_acc=opts.want[1], row_factor=factor,
+        )  # fmt: skip
+        empty = loss.new_empty(0)
+        outs = [t if t is not None else empty for t in out]
+        ctx.mark_non_differentiable(*outs)
+        return (total, *outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_extras):
         if ctx.deferred:
             hidden, weight, bias, target = ctx.saved_tensors
             ones = torch.ones(1, dtype=torch.float32, device=hidden.device)
             with torch.autocast(hidden.device.type, enabled=False):
-                _, dx, dw, db = _chunked(
+                _, dx, dw, db, _ = _chunked(
                     hidden,
                     weight,
                     bias,
@@ -154,6 +223,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 )
             db = None if db is None else db.to(bias.dtype)
             return dx, dw, db, None, None, None, None
+        if ctx.grads is None:
+            return (None,) * 7
         (dx, dw, db), ctx.grads = ctx.grads, None
         # Popped off ctx so that autograd can take these buffers as .grad without a copy.
         if dx is not None:
@@ -192,12 +263,25 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     num_items: int | float | torch.Tensor | None = None,
     chunk_rows: int | None = None,
-) -> torch.Tensor:
+    class_weight: torch.Tensor | None = None,
+    accum_dtype: torch.dtype | None = None,
+    use_token_scaling: bool = False,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    check_targets: bool = False,
+) -> torch.Tensor | CrossEntropyOutput:
     """Cross-entropy of ``hidden[..., H] @ weight[V, H].T (+ bias)`` against ``target[...]``.
 
-    Same options and fp32 result as ``cross_entropy``; never holds more than one chunk of logits.
+    Same options and fp32 result as ``cross_entropy`` (``class_weight`` is its ``weight``;
+    the ``return_*`` flags return a `CrossEntropyOutput`); never holds more than one chunk of
+    logits. ``accum_dtype=torch.float32`` sums d(weight) over chunks in fp32 (4·V·H bytes more,
+    one rounding at the end). ``use_token_scaling=True`` (Liger's) multiplies each token's loss
+    and gradient by its target's predicted probability, treated as a constant.
     """
     check_options(reduction, label_smoothing, softcap)
+    if accum_dtype not in (None, torch.float32) and accum_dtype != weight.dtype:
+        raise ValueError(f"accum_dtype must be None or torch.float32, got {accum_dtype}")
     if target.shape != hidden.shape[:-1]:
         raise ValueError(
             f"target shape {tuple(target.shape)} must equal hidden shape without its last "
@@ -220,7 +304,11 @@ def fused_linear_cross_entropy(
             f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias must share a dtype; "
             "cast them or run under torch.autocast"
         )
+    check_weight(class_weight, weight.shape[0], hidden.device)
+    if check_targets:
+        check_target_range(target, weight.shape[0], ignore_index)
     rows = hidden.reshape(-1, hidden.shape[-1])
+    want = (return_z_loss, return_token_accuracy, return_predicted_tokens)
     opts = _Options(
         ignore_index,
         float(label_smoothing),
@@ -228,8 +316,12 @@ def fused_linear_cross_entropy(
         softcap,
         reduction,
         chunk_rows,
+        None if class_weight is None else class_weight.detach().float().contiguous(),
+        accum_dtype == torch.float32 and weight.dtype != torch.float32,
+        use_token_scaling,
+        want,
     )
-    loss = FusedLinearCrossEntropyFunction.apply(
+    loss, z, acc, pred = FusedLinearCrossEntropyFunction.apply(
         rows.contiguous(),
         weight.contiguous(),
         bias,
@@ -242,4 +334,14 @@ def fused_linear_cross_entropy(
             for t in (rows, weight, bias)
         ),
     )
-    return loss.view(target.shape) if reduction == "none" else loss
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    if not any(want):
+        return loss
+    shaped = reduction == "none"
+    return CrossEntropyOutput(
+        loss,
+        (z.view(target.shape) if shaped else z) if return_z_loss else None,
+        (acc.view(target.shape) if shaped else acc) if return_token_accuracy else None,
+        pred.view(target.shape) if return_predicted_tokens else None,
+    )

@@ -1,11 +1,15 @@
 """Layer classes for kernelize: each forward is bound onto an existing transformers module.
 
 The classes hold no state; ``forward`` reads the original module's attributes (``weight``,
-``variance_epsilon`` or ``eps``, ``gate_proj``/``up_proj``/``down_proj``, ``act_fn``) and keeps
-the signature of the forward it replaces.
+``variance_epsilon`` or ``eps``, ``gate_proj``/``up_proj``/``down_proj`` or ``gate_up_proj``,
+``act_fn`` or ``activation_fn``) and keeps the signature of the forward it replaces. Which layer
+fits which module is decided by the loader's structure probes (kernels.training), which run the
+module's own forward next to each layer's formula.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +19,7 @@ from .add_rms_norm import fused_add_rms_norm
 from .gated_mlp import gated_mlp
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
-from .rope import apply_rotary_pos_emb
+from .rope import apply_partial_rotary_pos_emb
 from .swiglu import GELU_ERF, GELU_TANH, SILU, gelu_mul, silu, silu_mul
 
 _SILU_CLASSES = {"SiLUActivation", "SiLU"}
@@ -24,8 +28,30 @@ _GELU_TANH_CLASSES = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastG
 
 
 def _eps(module: nn.Module) -> float:
-    eps = getattr(module, "variance_epsilon", None)
-    return module.eps if eps is None else eps
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        eps = getattr(module, name, None)
+        if eps is not None:
+            return eps
+    raise AttributeError(f"{type(module).__name__} has no variance_epsilon / eps")
+
+
+def _act(module: nn.Module) -> nn.Module:
+    act = getattr(module, "act_fn", None)
+    return getattr(module, "activation_fn", None) if act is None else act
+
+
+def _glu_code(module: nn.Module) -> tuple[int, str]:
+    """(the fused kernel's activation code, GELU's approximate) for the module's act_fn."""
+    act = _act(module)
+    if type(act).__name__ in _SILU_CLASSES:
+        return SILU, ""
+    approximate = _gelu_approximate(act)
+    return (GELU_TANH if approximate == "tanh" else GELU_ERF), approximate
+
+
+# The RMSNorm kernel's casting modes (a newer kernel build); without them, "weight in fp32,
+# one cast at the end" is Gemma's mode with the offset taken back out of the weight.
+_HAS_CASTING_MODE = "casting_mode" in inspect.signature(rms_norm).parameters
 
 
 def _gelu_approximate(act: nn.Module) -> str:
@@ -75,6 +101,33 @@ class GemmaRMSNorm(nn.Module):
         return rms_norm(x, self.weight, _eps(self), gemma=True)
 
 
+class RMSNormFloatWeight(nn.Module):
+    """OLMo2-style RMSNorm: ``(weight * x_hat).to(input dtype)``, the product in fp32."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if _HAS_CASTING_MODE:
+            return rms_norm(hidden_states, self.weight, _eps(self), casting_mode="gemma")
+        # gemma mode computes x_hat * (1 + w) in fp32; (w - 1) in fp32 gives back w (exactly for
+        # weights near 1, which is where RMSNorm weights live)
+        return rms_norm(hidden_states, self.weight.float() - 1.0, _eps(self), gemma=True)
+
+
+class WeightlessRMSNorm(nn.Module):
+    """RMSNorm without a weight (``x_hat`` cast to the input dtype)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(
+            hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        return rms_norm(hidden_states, ones, _eps(self))
+
+
 class FusedAddRMSNorm(nn.Module):
     """RMSNorm with the residual add before it: ``forward(hidden_states, residual)`` returns
     (the normed sum, the sum), for a module holding ``weight`` and ``variance_epsilon`` (or ``eps``)
@@ -90,7 +143,9 @@ class FusedAddRMSNorm(nn.Module):
 
 
 class rotary_pos_emb(nn.Module):  # noqa: N801 - the layer name transformers asks for
-    """transformers' apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)."""
+    """transformers' apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1); with cos narrower
+    than the head (partial rotary: phi3, stablelm, ...) the first cos.shape[-1] dims rotate and
+    the rest pass through."""
 
     has_backward = True
     can_torch_compile = True
@@ -103,7 +158,7 @@ class rotary_pos_emb(nn.Module):  # noqa: N801 - the layer name transformers ask
         sin: torch.Tensor,
         unsqueeze_dim: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+        return apply_partial_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
 class SiLU(nn.Module):
@@ -123,7 +178,7 @@ class SwiGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = type(self.act_fn).__name__
+        name = type(_act(self)).__name__
         if name not in _SILU_CLASSES:
             raise ValueError(
                 f"SwiGLUMLP needs a SiLU act_fn, got {name}; map this MLP to another layer"
@@ -141,7 +196,7 @@ class GeGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        approximate = _gelu_approximate(self.act_fn)
+        approximate = _gelu_approximate(_act(self))
         act = GELU_TANH if approximate == "tanh" else GELU_ERF
         out = gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, act)
         if out is None:
@@ -149,18 +204,57 @@ class GeGLUMLP(nn.Module):
         return out
 
 
-class LayerNorm(nn.Module):
-    """torch.nn.LayerNorm over the last dim (other normalized shapes run torch's layer_norm)."""
+class FusedSwiGLUMLP(nn.Module):
+    """Phi3/GLM-style MLP: ``gate, up = gate_up_proj(x).chunk(2)``, down(act(gate) * up)."""
 
     has_backward = True
     can_torch_compile = True
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if len(self.normalized_shape) != 1:
-            return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
-        return layer_norm(input, self.weight, self.bias, self.eps)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return fused_gate_up_mlp(self, hidden_states)
+
+
+class FusedGeGLUMLP(nn.Module):
+    """FusedSwiGLUMLP with a GELU act_fn (a separate name: Liger's geglu switch)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return fused_gate_up_mlp(self, hidden_states)
+
+
+def fused_gate_up_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """down(act(gate) * up) with gate, up the halves of gate_up_proj(x), the product fused."""
+    gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+    code, approximate = _glu_code(module)
+    product = silu_mul(gate, up) if code == SILU else gelu_mul(gate, up, approximate)
+    return module.down_proj(product)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim: torch.nn.LayerNorm, and modules holding ``weight`` (and
+    maybe ``bias``) with ``eps`` / ``variance_epsilon`` (Cohere's bias-free LayerNorm), in
+    fp32 with one cast at the end. Other normalized shapes run torch's layer_norm."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self, "weight", None)
+        bias = getattr(self, "bias", None)
+        shape = getattr(self, "normalized_shape", hidden_states.shape[-1:])
+        if len(shape) != 1:
+            return F.layer_norm(hidden_states, shape, weight, bias, _eps(self))
+        return layer_norm(hidden_states, weight, bias, _eps(self))
 
 
 # Loss layers (loss_layers.py): transformers' *ForCausalLM forward with the fused linear
 # cross-entropy, and nn.CrossEntropyLoss on the CE kernel.
-from .loss_layers import CrossEntropyLoss, ForCausalLM, ForCausalLMCrossEntropy  # noqa: E402, F401
+from .loss_layers import (  # noqa: E402, F401
+    CausalLMHead,
+    CrossEntropyLoss,
+    ForCausalLM,
+    ForCausalLMCrossEntropy,
+    MoEForCausalLM,
+)

@@ -99,6 +99,67 @@ class ForCausalLMCrossEntropy(nn.Module):
         )
 
 
+class MoEForCausalLM(nn.Module):
+    """``ForCausalLM`` for the MoE heads whose forward also takes ``output_router_logits``
+    (Mixtral, Qwen3-MoE, ...). Without router logits (the default of their configs) the loss is
+    the fused one; a call that asks for them runs the family's own forward, which adds the
+    router's load-balancing loss."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        wanted = output_router_logits
+        if wanted is None:
+            wanted = getattr(self.config, "output_router_logits", False)
+        if wanted:
+            return type(self).forward(
+                self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                use_cache, output_router_logits, logits_to_keep, **kwargs,
+            )  # fmt: skip
+        return causal_lm_forward(
+            self,
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            inputs_embeds,
+            labels,
+            use_cache,
+            logits_to_keep,
+            kwargs,
+            moe=True,
+        )
+
+
+class CausalLMHead(nn.Module):
+    """Any causal-LM forward that ends in ``self.lm_head(hidden)`` and a causal-LM loss, whatever
+    its arguments and its decoder's name (GPT-2, Bloom, Falcon, OPT, GPT-NeoX, ...): with labels,
+    the family's own forward runs without them while ``lm_head`` hands back its input instead of
+    the logits, and the loss is the fused linear cross-entropy of that input. Logits as in
+    ``ForCausalLM`` (None in training unless ``return_logits=True``). The forward takes any
+    arguments and binds them to the family's signature itself."""
+
+    has_backward = True
+    # The capture swaps lm_head's forward for one call: a compiled model graph-breaks there.
+    can_torch_compile = True
+
+    def forward(self, *args, **kwargs):
+        return any_causal_lm_forward(self, args, kwargs)
+
+
 class CrossEntropyLoss(nn.Module):
     """``nn.CrossEntropyLoss.forward`` on the CE kernel for [N, C] logits and class targets.
 
@@ -184,8 +245,21 @@ def _cache_arg(model_cls: type) -> str:
     return name
 
 
-def _head_logits(model: nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def logit_scale(model: nn.Module) -> float:
+    """The factor a family's forward applies to ``lm_head``'s output: Cohere multiplies by
+    ``self.logit_scale``, Granite divides by ``config.logits_scaling``; 1.0 for the rest."""
+    scale = getattr(model, "logit_scale", None)
+    scale = 1.0 if scale is None else float(scale)
+    divisor = getattr(model.config, "logits_scaling", None)
+    return scale if divisor is None else scale / float(divisor)
+
+
+def _head_logits(
+    model: nn.Module, hidden: torch.Tensor, softcap: float | None, scale: float = 1.0
+) -> torch.Tensor:
     logits = model.lm_head(hidden)
+    if scale != 1.0:
+        logits = logits * scale
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
@@ -220,8 +294,11 @@ def fused_causal_lm_loss(
     labels: torch.Tensor,
     softcap: float | None,
     kwargs: dict,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """``ForCausalLMLoss`` of ``lm_head(hidden)`` without materialising the logits."""
+    """``ForCausalLMLoss`` of ``softcap(scale * lm_head(hidden))`` without materialising the
+    logits. The scale multiplies the hidden states (one [tokens, hidden] product, not a
+    [tokens, vocab] one), or the weight and bias when the head has a bias."""
     ignore_index = kwargs.get("ignore_index", -100)
     shift_labels = kwargs.get("shift_labels")
     target = shift_left(labels, ignore_index) if shift_labels is None else shift_labels
@@ -235,11 +312,17 @@ def fused_causal_lm_loss(
     head = model.lm_head
 
     def loss_fn(x: torch.Tensor) -> torch.Tensor:
+        weight, bias = head.weight, head.bias
+        if scale != 1.0:
+            if bias is None:
+                x = x * scale
+            else:
+                weight, bias = weight * scale, bias * scale
         return fused_linear_cross_entropy(
             x,
-            head.weight,
+            weight,
             target,
-            head.bias,
+            bias,
             ignore_index=ignore_index,
             softcap=softcap,
             num_items=kwargs.get("num_items_in_batch"),
@@ -260,10 +343,12 @@ def causal_lm_forward(
     logits_to_keep,
     kwargs: dict,
     fused: bool = True,
+    moe: bool = False,
 ):
     """The body of ``ForCausalLM.forward`` (module-level: layers hold no helpers); with
-    ``fused=False`` the logits are built and the loss runs on the CE kernel."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    ``fused=False`` the logits are built and the loss runs on the CE kernel; ``moe`` returns
+    the MoE output class (no aux loss: router logits were not asked for)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     return_logits = kwargs.pop("return_logits", None)
     return_dict = kwargs.pop("return_dict", None)
@@ -283,11 +368,12 @@ def causal_lm_forward(
     )
     hidden = keep_positions(outputs.last_hidden_state, logits_to_keep)
     softcap = getattr(model.config, "final_logit_softcapping", None)
+    scale = logit_scale(model)
     loss = logits = None
     if labels is None:
-        logits = _head_logits(model, hidden, softcap)
+        logits = _head_logits(model, hidden, softcap, scale)
     elif not fused:
-        logits = _head_logits(model, hidden, softcap)
+        logits = _head_logits(model, hidden, softcap, scale)
         loss = ForCausalLMLoss(
             logits,
             labels,
@@ -297,16 +383,86 @@ def causal_lm_forward(
             shift_labels=kwargs.get("shift_labels"),
         )
     else:
-        loss = fused_causal_lm_loss(model, hidden, labels, softcap, kwargs)
+        loss = fused_causal_lm_loss(model, hidden, labels, softcap, kwargs, scale)
         if (not model.training) if return_logits is None else return_logits:
-            logits = _head_logits(model, hidden, softcap)
-    result = CausalLMOutputWithPast(
+            logits = _head_logits(model, hidden, softcap, scale)
+    extra = {"router_logits": getattr(outputs, "router_logits", None)} if moe else {}
+    result = (MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast)(
         loss=loss,
         logits=logits,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
         **{cache_arg: getattr(outputs, cache_arg, None)},
+        **extra,
     )
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
     return result if return_dict else result.to_tuple()
+
+
+_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _signature(cls: type) -> inspect.Signature:
+    sig = _SIGNATURES.get(cls)
+    if sig is None:
+        sig = _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return sig
+
+
+@torch.compiler.disable  # swaps lm_head's forward for one call
+def _run_without_logits(model: nn.Module, bound: inspect.BoundArguments) -> tuple:
+    """The family's forward with lm_head returning a 0-d placeholder; (output, lm_head input)."""
+    head = model.lm_head
+    captured: list[torch.Tensor] = []
+
+    def keep_input(hidden: torch.Tensor) -> torch.Tensor:
+        captured.append(hidden)
+        return hidden.new_zeros(())  # softcap / scaling / .float() of it are free
+
+    own = head.__dict__.get("forward")
+    head.forward = keep_input
+    try:
+        out = type(model).forward(*bound.args, **bound.kwargs)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+    if len(captured) != 1:
+        raise RuntimeError(f"{type(model).__name__} called lm_head {len(captured)} times, not once")
+    return out, captured[0]
+
+
+def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
+    """The body of ``CausalLMHead.forward``."""
+    kwargs = dict(kwargs)
+    return_logits = kwargs.pop("return_logits", None)
+    sig = _signature(type(model))
+    bound = sig.bind(model, *args, **kwargs)
+    labels = bound.arguments.get("labels")
+    if labels is None:
+        return type(model).forward(*bound.args, **bound.kwargs)
+    bound.arguments["labels"] = None
+    var_kw = next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    extra = dict(bound.arguments.get(var_kw) or {}) if var_kw else {}
+    if (
+        "use_cache" in sig.parameters
+        and bound.arguments.get("use_cache") is None
+        and model.training
+    ):
+        bound.arguments["use_cache"] = (
+            False  # a cache nobody asked for, in a step that will not decode
+        )
+    out, hidden = _run_without_logits(model, bound)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    scale = logit_scale(model)
+    loss = fused_causal_lm_loss(model, hidden, labels, softcap, extra, scale)
+    logits = None
+    if (not model.training) if return_logits is None else return_logits:
+        logits = _head_logits(model, hidden, softcap, scale)
+    if isinstance(out, tuple):  # return_dict=False: (logits, *rest) without labels
+        return (loss, logits, *out[1:])
+    out["loss"] = loss
+    out["logits"] = logits
+    return out

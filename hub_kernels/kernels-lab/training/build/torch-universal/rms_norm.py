@@ -1,8 +1,18 @@
-"""RMSNorm over the last dimension, forward and backward, in Llama/Qwen3 or Gemma numerics.
+"""RMSNorm over the last dimension, forward and backward, with Liger's casting modes and offset.
 
-Llama mode (HF LlamaRMSNorm / Qwen3RMSNorm): rstd from x in fp32, ``x * rstd`` cast back to the
-input dtype, then multiplied by the weight in the promoted dtype of weight and input.
-Gemma mode (HF GemmaRMSNorm): everything in fp32 with ``(1 + weight)``, cast to the input dtype.
+``y = x̂ · (offset + w)`` with ``x̂ = x · rstd`` and ``rstd = 1 / sqrt(mean(x²) + eps)``; the
+three casting modes (Liger's names) say where results are rounded to the input dtype:
+
+- "llama" (HF LlamaRMSNorm / Qwen3RMSNorm): rstd from x in fp32, x̂ rounded to the input dtype,
+  then multiplied by ``offset + w`` (fp32) and rounded to the promoted dtype of weight and input.
+- "gemma" (HF GemmaRMSNorm, with offset 1.0): everything in fp32, cast to the input dtype at the
+  end.
+- "none": the input dtype throughout: rstd, x̂ and y each rounded to it (sums of squares still
+  accumulate in fp32, as any sane reduction does), output in the input dtype.
+
+Without a weight, ``y = x̂`` (the offset is ignored, as in Liger) in the input dtype. The
+backward computes in fp32 in every mode; dW uses the x̂ the forward multiplied (rounded in llama
+and none modes). ``gemma=True`` is the legacy spelling of offset 1.0 in gemma mode.
 
 The forward keeps one fp32 rstd per row. The backward needs x̂ = x·rstd: by default it keeps the
 input x; with ``save_output=True`` it keeps the output y instead and recovers x̂ = y / w (as apex's
@@ -16,21 +26,59 @@ deterministic and needs no atomics.
 """
 
 import functools
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, next_pow2, op_name, pick_config, sm_count, use_triton
+from ._common import (
+    as_rows,
+    cached_config,
+    cdiv,
+    next_pow2,
+    op_name,
+    pick_config,
+    sm_count,
+    use_triton,
+)
 
 # Rows wider than this do not fit one program's registers; they take the torch path.
 MAX_TRITON_N = 65536
 
+# Casting modes, as the kernels' MODE constexpr.
+LLAMA, GEMMA, NONE = 0, 1, 2
+CASTING_MODES = {"llama": LLAMA, "gemma": GEMMA, "none": NONE}
+
+
+def numerics(gemma) -> tuple[float, int]:
+    """(offset, mode) of a `gemma` argument: the legacy bool or an (offset, mode) pair."""
+    if isinstance(gemma, tuple):
+        return gemma
+    return (1.0, GEMMA) if gemma else (0.0, LLAMA)
+
+
+def resolve_numerics(gemma: bool, offset: float, casting_mode: str | None) -> tuple[float, int]:
+    """(offset, mode) of the public keywords; ``gemma=True`` means offset 1.0 in gemma mode."""
+    if gemma:
+        if offset not in (0.0, 1.0) or casting_mode not in (None, "gemma"):
+            raise ValueError("gemma=True already sets offset=1.0, casting_mode='gemma'; pass one")
+        return 1.0, GEMMA
+    if casting_mode is None:
+        casting_mode = "llama"
+    mode = CASTING_MODES.get(casting_mode)
+    if mode is None:
+        raise ValueError(
+            f"casting_mode must be one of {sorted(CASTING_MODES)}, got {casting_mode!r}"
+        )
+    return float(offset), mode
+
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, stride_y, stride_s, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr, RESIDUAL: tl.constexpr,
+    X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, stride_y, stride_s, eps, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+    HAS_W: tl.constexpr,
 ):  # fmt: skip
     # RESIDUAL: normalise s = x + r (rounded to x's dtype, as HF's residual add) and store s too.
     pid = tl.program_id(0)
@@ -47,14 +95,18 @@ def _rms_norm_fwd_kernel(
         x = (x + r).to(S.dtype.element_ty)
         tl.store(S + r64 * stride_s + cols[None, :], x, mask=mask)
         x = x.to(tl.float32)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    if MODE == 2:  # none: rstd in the input dtype too
+        rstd = rstd.to(X.dtype.element_ty).to(tl.float32)
     xhat = x * rstd[:, None]
-    if GEMMA:
-        y = xhat * (w[None, :] + 1.0)
+    if MODE != 1:
+        # HF Llama casts x * rstd back to the input dtype before the weight multiply.
+        xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
+        y = xhat * w[None, :]
     else:
-        # HF casts x * rstd back to the input dtype before the weight multiply.
-        y = xhat.to(X.dtype.element_ty).to(tl.float32) * w[None, :]
+        y = xhat
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=rmask)
 
@@ -82,19 +134,21 @@ def _load_rows(
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PART, DS, M, N, stride_dy, stride_x, stride_dx, stride_ds,
-    rows_per_program,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMMA: tl.constexpr,
+    rows_per_program, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     COMPUTE_DW: tl.constexpr, PREFETCH: tl.constexpr, ACC_2D: tl.constexpr, FROM_Y: tl.constexpr,
-    HAS_DS: tl.constexpr,
+    HAS_DS: tl.constexpr, HAS_W: tl.constexpr,
 ):  # fmt: skip
     # FROM_Y: X points at the forward's output y, and x̂ = y / w.
     # HAS_DS: DS is the gradient of the residual sum s = x + r, which also flows to x (and r).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    if GEMMA:
-        w = w + 1.0
+    # Without a weight the gradient is that of w = 1 (and dW is never asked for).
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
+    else:
+        w = tl.full([BLOCK_N], 1.0, tl.float32)
     if FROM_Y:
         # 1/0 = inf and 0 * inf = NaN: a zero weight poisons its column instead of lying.
         w_inv = tl.where(cmask, 1.0 / w, 0.0)
@@ -140,7 +194,7 @@ def _rms_norm_bwd_kernel(
         dx_ptr = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
         tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            if GEMMA or FROM_Y:
+            if MODE == 1 or FROM_Y:
                 # FROM_Y: y / w is already HF's rounded x̂ up to y's own rounding; rounding it
                 # again would double the error of dW.
                 contrib = dy * xhat
@@ -234,22 +288,27 @@ def _bwd_candidates(m_pow2: int, n: int) -> list[dict]:
             cfg(4096, 8, 2, True), cfg(4096, 4, 2, False), cfg(16384, 16, 1, True)]  # fmt: skip
 
 
-def out_dtype(x: torch.Tensor, weight: torch.Tensor, gemma: bool) -> torch.dtype:
-    """Result dtype of the HF module: Gemma casts to the input's, Llama promotes with the weight."""
-    return x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
+def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, gemma) -> torch.dtype:
+    """Result dtype: llama mode promotes with the weight (as HF's module); gemma and none modes,
+    and no weight, give the input's."""
+    if weight is None or numerics(gemma)[1] != LLAMA:
+        return x.dtype
+    return torch.promote_types(x.dtype, weight.dtype)
 
 
 def forward(x, weight, eps, gemma, cfg=None, residual=None):
     """Triton forward: returns (y shaped like x, rstd [rows] fp32, s).
 
+    `gemma` is the legacy bool or an (offset, mode) pair (see `numerics`); `weight` may be None.
     With `residual` (shaped and typed like x) it normalises s = x + residual and returns s too
     (shaped like x); else s is None.
     """
+    offset, mode = numerics(gemma)
     n = x.shape[-1]
     x2 = as_rows(x, n)
     m = x2.shape[0]
     # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make per call.
-    y = torch.empty(x.shape, dtype=out_dtype(x, weight, gemma), device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype(x, weight, (offset, mode)), device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     r2 = s = None
     if residual is not None:
@@ -257,18 +316,19 @@ def forward(x, weight, eps, gemma, cfg=None, residual=None):
         s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if m > 0:
         r_arg, s_arg = (x2, y) if s is None else (r2, s)  # unused stand-ins without a residual
+        w_arg = x2 if weight is None else weight  # an unused stand-in without a weight
 
         def launch(c):
             _rms_norm_fwd_kernel[(cdiv(m, c["BLOCK_M"]),)](
-                x2, r_arg, weight, y, s_arg, rstd, m, n,
-                x2.stride(0), r_arg.stride(0), n, n, eps,
-                BLOCK_M=c["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, RESIDUAL=s is not None,
-                num_warps=c["num_warps"],
+                x2, r_arg, w_arg, y, s_arg, rstd, m, n,
+                x2.stride(0), r_arg.stride(0), n, n, eps, offset,
+                BLOCK_M=c["BLOCK_M"], BLOCK_N=next_pow2(n), MODE=mode, RESIDUAL=s is not None,
+                HAS_W=weight is not None, num_warps=c["num_warps"],
             )  # fmt: skip
 
         if cfg is None:
-            key = ("rms_fwd", m.bit_length(), n, x.dtype, weight.dtype, x.device, gemma,
-                   s is not None)  # fmt: skip
+            key = ("rms_fwd", m.bit_length(), n, x.dtype, w_arg.dtype, x.device, mode,
+                   s is not None, weight is None)  # fmt: skip
             cfg = pick_config(key, fwd_candidates(m, n), launch)
         launch(cfg)
     return y, rstd, s
@@ -276,6 +336,7 @@ def forward(x, weight, eps, gemma, cfg=None, residual=None):
 
 def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False, ds2=None):
     """One backward launch; dx and rstd are contiguous (dx's rows n apart)."""
+    offset, mode = numerics(gemma)
     m, n = x2.shape
     programs = min(cfg["per_sm"] * sm_count(x2.device), cdiv(m, cfg["BLOCK_M"]))
     rows_per_program = cdiv(m, programs)
@@ -285,70 +346,95 @@ def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False,
     )
     ds_arg = dy2 if ds2 is None else ds2  # an unused stand-in without a residual gradient
     _rms_norm_bwd_kernel[(programs,)](
-        dy2, x2, weight, rstd, dx, part, ds_arg, m, n,
-        dy2.stride(0), x2.stride(0), n, ds_arg.stride(0), rows_per_program,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), GEMMA=gemma, COMPUTE_DW=compute_dw,
+        dy2, x2, x2 if weight is None else weight, rstd, dx, part, ds_arg, m, n,
+        dy2.stride(0), x2.stride(0), n, ds_arg.stride(0), rows_per_program, offset,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), MODE=mode, COMPUTE_DW=compute_dw,
         PREFETCH=cfg["PREFETCH"], ACC_2D=cfg["ACC_2D"], FROM_Y=from_y, HAS_DS=ds2 is not None,
-        num_warps=cfg["num_warps"],
+        HAS_W=weight is not None, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return part
 
 
-def backward(dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_dtype=None, ds=None):
+def _dx_buffer(dy, shape, dtype, in_place):
+    """Where dx goes: over dy when `in_place` allows it (same dtype, contiguous), else new."""
+    if in_place and dy.dtype == dtype and dy.is_contiguous() and dy.shape == shape:
+        return dy
+    return torch.empty(shape, dtype=dtype, device=dy.device)
+
+
+def backward(
+    dy, x, weight, rstd, gemma, compute_dw, cfg=None, from_y=False, x_dtype=None, ds=None,
+    in_place=False,
+):  # fmt: skip
     """Triton backward: returns (dx, dW like weight or an empty tensor); `rstd` as forward
     returned it (contiguous).
 
     With ``from_y`` the tensor passed as `x` is the forward's output y, and dx takes `x_dtype`.
     With `ds` (the gradient reaching the residual sum s of the fused add) `x` is s and dx is the
-    gradient of s, which is also that of both summands.
+    gradient of s, which is also that of both summands. With `in_place` dx is written over dy
+    where dy is contiguous and of dx's dtype (each program reads its rows before writing them).
     """
     n = x.shape[-1]
     x2 = as_rows(x, n)
     dy2 = as_rows(dy, n)
     ds2 = None if ds is None else as_rows(ds, n)
     m = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x_dtype or x.dtype, device=x.device)
+    dx = _dx_buffer(dy, x.shape, x_dtype or x.dtype, in_place)
     if m == 0:
-        dw = torch.zeros_like(weight) if compute_dw else weight.new_empty(0)
+        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
         return dx, dw
+    mode = numerics(gemma)[1]
 
     def launch(c):
         return _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, c, from_y, ds2)
 
     if cfg is None:
-        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, weight.dtype, x.device, gemma,
-               compute_dw, from_y, ds is not None)  # fmt: skip
-        cfg = pick_config(key, bwd_candidates(m, n), launch)
+        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype,
+               None if weight is None else weight.dtype, x.device, mode, compute_dw, from_y,
+               ds is not None)  # fmt: skip
+        if dx is dy:
+            # Timing launches several times, and a launch after the first would read a dx as
+            # dy: in place takes the geometry an earlier out-of-place call timed, or the default.
+            cfg = cached_config(key) or bwd_candidates(m, n)[0]
+        else:
+            cfg = pick_config(key, bwd_candidates(m, n), launch)
     part = launch(cfg)
-    dw = column_sum(part, weight.dtype) if compute_dw else weight.new_empty(0)
+    dw = column_sum(part, weight.dtype) if compute_dw else x.new_empty(0)
     return dx, dw
 
 
 def _torch_forward(x, weight, eps, gemma):
+    offset, mode = numerics(gemma)
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    if mode == NONE:
+        rstd = rstd.to(x.dtype).float()
     xhat = xf * rstd.unsqueeze(-1)
-    if gemma:
-        y = (xhat * (1.0 + weight.float())).to(x.dtype)
-    else:
-        y = weight * xhat.to(x.dtype)
+    if mode != GEMMA:
+        xhat = xhat.to(x.dtype).float()
+    y = xhat if weight is None else xhat * (weight.float() + offset)
     # Contiguous like the Triton path and the fake op: compiled graphs rely on those strides.
-    return y.contiguous(), rstd.contiguous()
+    return y.to(out_dtype(x, weight, (offset, mode))).contiguous(), rstd.contiguous()
 
 
-def _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None, ds=None):
-    w = weight.float() + 1.0 if gemma else weight.float()
+def _torch_backward(
+    dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None, ds=None, in_place=False
+):  # fmt: skip
+    offset, mode = numerics(gemma)
+    w = 1.0 if weight is None else weight.float() + offset
     xhat = x.float() / w if from_y else x.float() * rstd.unsqueeze(-1)
     x_dtype = x_dtype or x.dtype
     g = dy.float() * w
     dx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd.unsqueeze(-1)
     if ds is not None:  # added before the one rounding, as the kernel does
         dx = dx + ds.float()
-    dw = weight.new_empty(0)
+    dw = x.new_empty(0)
     if compute_dw:
-        xw = xhat if gemma or from_y else xhat.to(x_dtype).float()
+        xw = xhat if mode == GEMMA or from_y else xhat.to(x_dtype).float()
         dw = (dy.float() * xw).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    return dx.to(x_dtype).contiguous(), dw
+    out = _dx_buffer(dy, x.shape, x_dtype, in_place)
+    out.copy_(dx)
+    return out, dw
 
 
 def use_triton_rows(x: torch.Tensor) -> bool:
@@ -362,22 +448,35 @@ def _forward_any(x, weight, eps, gemma):
     return _torch_forward(x, weight, eps, gemma)
 
 
-def _backward_any(dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None, ds=None):
+def _backward_any(
+    dy, x, weight, rstd, gemma, compute_dw, from_y=False, x_dtype=None, ds=None, in_place=False
+):  # fmt: skip
     if use_triton_rows(x):
-        return backward(dy, x, weight, rstd, gemma, compute_dw, None, from_y, x_dtype, ds)
-    return _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y, x_dtype, ds)
+        return backward(dy, x, weight, rstd, gemma, compute_dw, None, from_y, x_dtype, ds, in_place)
+    return _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y, x_dtype, ds, in_place)
+
+
+# The ops take the legacy `gemma` flag plus (offset, mode); gemma=True overrides the pair.
+def _op_numerics(gemma: bool, offset: float, mode: int) -> tuple[float, int]:
+    return (1.0, GEMMA) if gemma else (offset, mode)
 
 
 @torch.library.custom_op(op_name("rms_norm_fwd"), mutates_args=())
 def rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, save_output: bool
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses typing.Optional
+    eps: float,
+    gemma: bool,
+    save_output: bool,
+    offset: float = 0.0,
+    mode: int = LLAMA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_any(x, weight, eps, gemma)
+    return _forward_any(x, weight, eps, _op_numerics(gemma, offset, mode))
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, eps, gemma, save_output):
-    y = x.new_empty(x.shape, dtype=out_dtype(x, weight, gemma))
+def _(x, weight, eps, gemma, save_output, offset=0.0, mode=LLAMA):
+    y = x.new_empty(x.shape, dtype=out_dtype(x, weight, _op_numerics(gemma, offset, mode)))
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
@@ -385,39 +484,45 @@ def _(x, weight, eps, gemma, save_output):
 def rms_norm_bwd(
     dy: torch.Tensor,
     saved: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses typing.Optional
     rstd: torch.Tensor,
     gemma: bool,
     compute_dw: bool,
     from_y: bool,
     x_dtype: torch.dtype,
+    offset: float = 0.0,
+    mode: int = LLAMA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward_any(dy, saved, weight, rstd, gemma, compute_dw, from_y, x_dtype)
+    numer = _op_numerics(gemma, offset, mode)
+    return _backward_any(dy, saved, weight, rstd, numer, compute_dw, from_y, x_dtype)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, saved, weight, rstd, gemma, compute_dw, from_y, x_dtype):
-    dw = torch.empty_like(weight) if compute_dw else weight.new_empty(0)
+def _(dy, saved, weight, rstd, gemma, compute_dw, from_y, x_dtype, offset=0.0, mode=LLAMA):
+    dw = torch.empty_like(weight) if compute_dw else saved.new_empty(0)
     return saved.new_empty(saved.shape, dtype=x_dtype), dw
 
 
-def _save(ctx, x, weight, y, rstd, gemma, save_output):
+def _save(ctx, x, weight, y, rstd, numer, save_output, in_place=False):
     """Keep x, or y when `save_output` (x̂ = y / w then), for the backward."""
     ctx.save_for_backward(y if save_output else x, weight, rstd)
-    ctx.gemma, ctx.from_y, ctx.x_dtype = gemma, save_output, x.dtype
+    ctx.numer, ctx.from_y, ctx.x_dtype, ctx.in_place = numer, save_output, x.dtype, in_place
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _eps, gemma, save_output = inputs
-    _save(ctx, x, weight, output[0], output[1], gemma, save_output)
+    x, weight, _eps, gemma, save_output, offset, mode = inputs
+    numer = _op_numerics(gemma, offset, mode)
+    _save(ctx, x, weight, output[0], output[1], numer, save_output)
 
 
 def _backward(ctx, dy, _drstd):
     saved, weight, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[1]
+    offset, mode = ctx.numer
     dx, dw = rms_norm_bwd(
-        dy, saved, weight, rstd, ctx.gemma, ctx.needs_input_grad[1], ctx.from_y, ctx.x_dtype
+        dy, saved, weight, rstd, False, need_dw, ctx.from_y, ctx.x_dtype, offset, mode
     )
-    return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
+    return dx, (dw if need_dw else None), None, None, None, None, None
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -427,32 +532,48 @@ class _RMSNormFunction(torch.autograd.Function):
     """The eager path: the same kernels without the custom-op dispatch cost on every call."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, gemma, save_output):
-        y, rstd = _forward_any(x, weight, eps, gemma)
-        _save(ctx, x, weight, y, rstd, gemma, save_output)
+    def forward(ctx, x, weight, eps, numer, save_output, in_place):
+        y, rstd = _forward_any(x, weight, eps, numer)
+        _save(ctx, x, weight, y, rstd, numer, save_output, in_place)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         saved, weight, rstd = ctx.saved_tensors
-        need_dw = ctx.needs_input_grad[1]
-        dx, dw = _backward_any(dy, saved, weight, rstd, ctx.gemma, need_dw, ctx.from_y, ctx.x_dtype)
-        return dx, (dw if need_dw else None), None, None, None
+        need_dw = weight is not None and ctx.needs_input_grad[1]
+        dx, dw = _backward_any(
+            dy, saved, weight, rstd, ctx.numer, need_dw, ctx.from_y, ctx.x_dtype,
+            in_place=ctx.in_place,
+        )  # fmt: skip
+        return dx, (dw if need_dw else None), None, None, None, None
 
 
 def rms_norm(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     gemma: bool = False,
     save_output: bool = False,
+    *,
+    offset: float = 0.0,
+    casting_mode: str | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """RMSNorm of `x` over its last dim, HF Llama numerics (or Gemma's with ``gemma=True``).
+    """RMSNorm of `x` over its last dim: ``x̂ · (offset + weight)``, or ``x̂`` without a weight.
+
+    `casting_mode` is Liger's: "llama" (default; HF Llama numerics), "gemma" (all fp32, HF
+    Gemma with ``offset=1.0``) or "none" (the input dtype throughout); see the module docstring.
+    ``gemma=True`` is the same as ``offset=1.0, casting_mode="gemma"``.
 
     ``save_output=True`` keeps the output instead of the input for the backward (see the module
     docstring): no memory of its own when the next layer saves the output anyway; a weight
     entry of exactly zero then makes that column's gradients NaN.
+
+    ``in_place=True`` writes the backward's dx over the incoming gradient dy (no dx buffer).
+    Only correct when nothing else reads that gradient tensor afterwards: not when y's gradient
+    is shared, e.g. ``y + other`` hands one tensor to both. Ignored under torch.compile.
     """
+    numer = resolve_numerics(gemma, offset, casting_mode)
     if torch.compiler.is_compiling():
-        return rms_norm_fwd(x, weight, float(eps), gemma, save_output)[0]
-    return _RMSNormFunction.apply(x, weight, float(eps), gemma, save_output)
+        return rms_norm_fwd(x, weight, float(eps), False, save_output, *numer)[0]
+    return _RMSNormFunction.apply(x, weight, float(eps), numer, save_output, in_place)

@@ -378,3 +378,18 @@ def apply_rotary_pos_emb(
     if torch.compiler.is_compiling():
         return rope(q, k, cos, sin, unsqueeze_dim, False)
     return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
+
+
+def apply_partial_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary_pos_emb over the first ``cos.shape[-1]`` dims of each head; the other dims
+    pass through unchanged (partial rotary, as phi3/stablelm/persimmon compute it). With cos as
+    wide as the head it is apply_rotary_pos_emb."""
+    d = cos.shape[-1]
+    if d == q.shape[-1]:
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    if d > q.shape[-1] or d % 2:
+        raise ValueError(f"rotary dim {d} does not fit heads of {q.shape[-1]}")
+    q_rot, k_rot = apply_rotary_pos_emb(q[..., :d], k[..., :d], cos, sin, unsqueeze_dim)
+    return torch.cat((q_rot, q[..., d:]), dim=-1), torch.cat((k_rot, k[..., d:]), dim=-1)

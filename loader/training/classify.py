@@ -1,0 +1,373 @@
+"""What each module of a causal LM *is*, decided from its structure, and which training-kernel
+layer serves it.
+
+No family table: a module class is recognised by what it holds (a weight vector and an epsilon;
+gate/up/down projections and an activation; 3-D expert weights; an ``lm_head`` and a decoder),
+by its forward's signature, and by a numerical probe (probes.py) that runs its own forward next
+to the kernel layer's formula. A rotary function is found in the code of the module that calls
+it (``apply_rotary_pos_emb*`` globals), decorated by transformers or not.
+
+``classify(model)`` returns a ``Plan``: per module class a ``Verdict`` (the kernel layer, or the
+one-line reason none fits) and the rotary functions with their callers. ``Plan.mark()`` gives
+the classes the layer names kernelize binds by.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..layers.decorators import function_key, replace_kernel_forward_from_hub
+from ..layers.funcs import KernelFunction, make_function_module
+from . import probes
+
+UNSERVED = "_kernels_unserved"  # cls.__dict__: {kind: reason}, read by kernelize's report
+_ATTACHED = "_kernels_attached_funcs"  # cls.__dict__: functions added to its _kernel_funcs
+
+# The causal-LM head layer's arguments (loss_layers.ForCausalLM.forward), in order.
+HEAD_ARGS = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "labels",
+             "use_cache", "logits_to_keep")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``layer`` is the training repo's layer class serving the module (its layer name too);
+    None with a ``reason`` when nothing serves it."""
+
+    kind: str  # norm, mlp, experts, rotary, loss
+    layer: str | None
+    reason: str = ""
+    condition: Callable[[nn.Module], bool] | None = None
+
+
+@dataclass(frozen=True)
+class RotaryUse:
+    """A rotary function a module class calls through the global ``name`` of its module."""
+
+    owner: type
+    name: str
+    namespace: dict
+    function: Callable
+    verdict: Verdict
+
+
+@dataclass
+class Plan:
+    classes: dict[type, Verdict] = field(default_factory=dict)
+    rotary: list[RotaryUse] = field(default_factory=list)
+
+    def served(self) -> set[str]:
+        found = {v.layer for v in self.classes.values() if v.layer}
+        return found | {u.verdict.layer for u in self.rotary if u.verdict.layer}
+
+    def unserved(self) -> list[tuple[str, str, str]]:
+        """(class name, kind, reason) of every module class left as it is."""
+        rows = [(c.__name__, v.kind, v.reason) for c, v in self.classes.items() if not v.layer]
+        rows += [
+            (u.owner.__name__, "rotary", u.verdict.reason)
+            for u in self.rotary
+            if not u.verdict.layer
+        ]
+        return rows
+
+    def mark(self, model: nn.Module | None = None) -> None:
+        """Give served classes their layer names (process-wide, as transformers' decorators do)
+        and unserved ones their reason; route served rotary functions through a KernelFunction
+        that the calling class (and its instances in ``model``) list in ``_kernel_funcs``."""
+        served = self.served()
+        for cls, verdict in self.classes.items():
+            reasons = dict(cls.__dict__.get(UNSERVED) or {})
+            if verdict.layer:
+                replace_kernel_forward_from_hub(cls, verdict.layer, verdict.condition)
+                reasons.pop(verdict.kind, None)
+            else:
+                reasons[verdict.kind] = verdict.reason
+                if getattr(cls, "kernel_layer_name", None) in served:
+                    # transformers named it like a layer that does not compute what it does
+                    cls.kernel_condition = staticmethod(_never)
+            _set_reasons(cls, reasons)
+        for use in self.rotary:
+            reasons = dict(use.owner.__dict__.get(UNSERVED) or {})
+            if not use.verdict.layer:
+                reasons["rotary"] = use.verdict.reason
+                _set_reasons(use.owner, reasons)
+                continue
+            reasons.pop("rotary", None)
+            _set_reasons(use.owner, reasons)
+            func = use.function
+            if not isinstance(func, KernelFunction):
+                func = make_function_module(func, use.verdict.layer, None)
+                use.namespace[use.name] = func  # same result unbound; bindable per caller
+            _attach(use.owner, func, model)
+
+
+def _never(module: nn.Module) -> bool:
+    return False
+
+
+def _set_reasons(cls: type, reasons: dict) -> None:
+    if reasons:
+        setattr(cls, UNSERVED, reasons)
+    elif UNSERVED in cls.__dict__:
+        delattr(cls, UNSERVED)
+
+
+def _attach(owner: type, func: KernelFunction, model: nn.Module | None) -> None:
+    """``owner`` instances list ``func`` in ``_kernel_funcs``: new ones through __init__, the
+    ones already in ``model`` now."""
+    key = function_key(func)
+    attached = owner.__dict__.get(_ATTACHED)
+    if attached is None:
+        attached = {}
+        original_init = owner.__init__
+
+        def __init__(self, *args, **kwargs):  # noqa: N807
+            original_init(self, *args, **kwargs)
+            self.__dict__.setdefault("_kernel_funcs", {}).update(owner.__dict__[_ATTACHED])
+
+        __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
+        owner.__init__ = __init__
+        setattr(owner, _ATTACHED, attached)
+    attached[key] = func
+    if model is not None:
+        for module in model.modules():
+            if type(module) is owner:
+                module.__dict__.setdefault("_kernel_funcs", {})[key] = func
+
+
+# -- per kind ---------------------------------------------------------------------------------
+
+
+def _is_linear(m: object) -> bool:
+    w = getattr(m, "weight", None)
+    return isinstance(m, nn.Module) and w is not None and w.dim() == 2 and not m._modules
+
+
+def _param_dims(module: nn.Module, name: str) -> int | None:
+    p = module._parameters.get(name)
+    return None if p is None else p.dim()
+
+
+def norm_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict:
+    cls = type(module)
+    if not probes.one_tensor_forward(cls):
+        return Verdict("norm", None, "forward takes more than the hidden states (a gated norm)")
+    weight = module._parameters.get("weight")
+    if weight is not None and weight.dim() != 1:
+        return Verdict(
+            "norm", None, f"weight is {weight.dim()}-D, not one vector over the last dim"
+        )
+    layer, reason = probes.probe_norm(module)
+    if layer is None:
+        return Verdict("norm", None, reason)
+    missing = available(layer)
+    if missing:
+        return Verdict("norm", None, missing)
+    return Verdict("norm", layer, condition=_same_norm_shape(module))
+
+
+def _same_norm_shape(module: nn.Module) -> Callable[[nn.Module], bool]:
+    """Instances of one class may differ (elementwise_affine=False, a 2-D q/k-norm weight): bind
+    only those with the parameters the probed one had."""
+    shape = {n: p.dim() for n, p in module._parameters.items() if p is not None}
+
+    def same(m: nn.Module) -> bool:
+        return {n: p.dim() for n, p in m._parameters.items() if p is not None} == shape
+
+    return same
+
+
+def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict | None:
+    """None when the module is no MLP at all."""
+    children = module._modules
+    fused = _is_linear(children.get("gate_up_proj")) and _is_linear(children.get("down_proj"))
+    separate = all(_is_linear(children.get(n)) for n in ("gate_proj", "up_proj", "down_proj"))
+    if not (fused or separate):
+        if type(module).__name__.lower().endswith("mlp") and probes.one_tensor_forward(
+            type(module)
+        ):
+            return Verdict(
+                "mlp",
+                None,
+                "not gated (no gate/up projections): only its activation could be fused",
+            )
+        return None
+    act = probes.activation_of(module)
+    if act is None:
+        return Verdict("mlp", None, "no act_fn / activation_fn module")
+    name = type(act).__name__
+    if name in probes.SILU_NAMES:
+        layer = "FusedSwiGLUMLP" if fused else "SwiGLUMLP"
+    elif name in probes.GELU_NAMES and name != "QuickGELUActivation":
+        layer = "FusedGeGLUMLP" if fused else "GeGLUMLP"
+    else:
+        return Verdict("mlp", None, f"activation {name} has no fused gated kernel (SiLU, GELU)")
+    if not probes.one_tensor_forward(type(module)) or not probes.probe_mlp(module, fused):
+        return Verdict("mlp", None, "does not compute down(act(gate(x)) * up(x))")
+    missing = available(layer)
+    return Verdict("mlp", None, missing) if missing else Verdict("mlp", layer)
+
+
+def experts_verdict(
+    module: nn.Module,
+    available: Callable[[str], str | None],
+    experts_check: Callable[[nn.Module], str | None] | None,
+) -> Verdict | None:
+    if _param_dims(module, "gate_up_proj") != 3 or _param_dims(module, "down_proj") != 3:
+        return None
+    if available("MoEExperts"):
+        return Verdict("experts", None, "no experts kernel in this build")
+    reason = experts_check(module) if experts_check is not None else None
+    return Verdict("experts", None, reason) if reason else Verdict("experts", "MoEExperts")
+
+
+# Lines a *ForCausalLM forward may have between lm_head and the loss, and what each needs.
+_HEAD_LINE_OK = re.compile(
+    r"^\s*("
+    r"if .*(softcap|scal).*:|else:"
+    r"|\w+ = self\.lm_head\(.*\)"  # the call itself
+    r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
+    r"|\w+ = (\w+|self\.lm_head\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
+    r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
+    r")\s*$"
+)
+
+
+def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Verdict:
+    """ForCausalLM (MoEForCausalLM) for Llama-style heads: ``self.model`` decoder, the usual
+    arguments; CausalLMHead for any other forward that ends in ``self.lm_head(hidden)`` and
+    ``self.loss_function``. Either way the logits may only be soft-capped or scaled."""
+    cls = type(model)
+    head = getattr(model, "lm_head", None)
+    # the fused loss reads lm_head.weight/bias: a head with its own forward (a per-token scale,
+    # a LoRA wrapper, a quantized matmul) must run it
+    if not (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward):
+        return Verdict("loss", None, "lm_head is not a plain nn.Linear")
+    forward = inspect.unwrap(cls.forward)
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return Verdict("loss", None, "its forward's source cannot be read")
+    if "self.loss_function(" not in source:
+        return Verdict("loss", None, "computes its loss without self.loss_function")
+    problem = _logits_problem(model, source)
+    if problem:
+        return Verdict("loss", None, problem)
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    names = tuple("cache" if p.name == "past_key_values" else p.name for p in params)
+    moe = "output_router_logits" in names
+    plain = tuple(n for n in names[:-1] if n != "output_router_logits")
+    llama_style = (
+        isinstance(getattr(model, "model", None), nn.Module)
+        and plain == HEAD_ARGS
+        and bool(params)
+        and params[-1].kind is params[-1].VAR_KEYWORD
+        and (not moe or names.index("output_router_logits") == len(HEAD_ARGS) - 1)
+    )
+    if "aux_loss" in source and not (llama_style and moe):
+        return Verdict("loss", None, "adds an auxiliary loss the fused loss does not compute")
+    if "labels" not in names:
+        return Verdict("loss", None, "its forward takes no labels")
+    layer = ("MoEForCausalLM" if moe else "ForCausalLM") if llama_style else "CausalLMHead"
+    missing = available(layer)
+    return Verdict("loss", None, missing) if missing else Verdict("loss", layer)
+
+
+def _logits_problem(model: nn.Module, source: str) -> str:
+    """Why the loss layers cannot reproduce what the forward does to lm_head's output ("" if
+    they can: nothing, a soft-cap, a scale, a cast to fp32)."""
+    lines = [line.split("#")[0].rstrip() for line in source.splitlines()]
+    calls = [i for i, line in enumerate(lines) if "self.lm_head(" in line]
+    if len(calls) != 1:
+        return f"calls self.lm_head {len(calls)} times in its forward"
+    start = calls[0]
+    end = next(
+        (
+            i
+            for i, line in enumerate(lines)
+            if i > start and re.match(r"\s*(loss = None|if labels|loss = self)", line)
+        ),
+        None,
+    )
+    if end is None:
+        return "no loss computed after `self.lm_head(...)`"
+    for line in lines[start:end]:
+        if line.strip() and not _HEAD_LINE_OK.match(line):
+            return f"post-processes its logits with `{line.strip()}`"
+    body = "\n".join(lines[start:end])
+    config = getattr(model, "config", None)
+    for attr, holder in (
+        ("final_logit_softcapping", config),
+        ("logits_scaling", config),
+        ("logit_scale", model),
+    ):
+        value = getattr(holder, attr, None)
+        if value is not None and not isinstance(value, (int, float)):
+            return f"its {attr} is a {type(value).__name__}, not a number"
+        if value not in (None, 1, 1.0) and attr not in body:
+            return f"has {attr} but its forward does not apply it"
+    return ""
+
+
+def is_norm(module: nn.Module) -> bool:
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return True
+    return "Norm" in type(module).__name__ and not module._modules and len(module._parameters) <= 2
+
+
+def rotary_uses(cls: type, available: Callable[[str], str | None]) -> list[RotaryUse]:
+    forward = getattr(cls, "forward", None)
+    if forward is not None:
+        forward = inspect.unwrap(forward)  # transformers wraps forwards (deprecate_kwarg, ...)
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return []
+    uses = []
+    for name in code.co_names:
+        if not name.startswith("apply_rotary_pos_emb"):
+            continue
+        namespace = forward.__globals__
+        fn = namespace.get(name)
+        if fn is None:
+            continue
+        plain = fn.__dict__.get("__wrapped__", fn) if isinstance(fn, KernelFunction) else fn
+        layer = fn.kernel_layer_name if isinstance(fn, KernelFunction) else "rotary_pos_emb"
+        reason = probes.probe_rotary(plain) or available("rotary_pos_emb")
+        verdict = Verdict("rotary", None, reason) if reason else Verdict("rotary", layer)
+        uses.append(RotaryUse(cls, name, namespace, fn, verdict))
+    return uses
+
+
+def classify(
+    model: nn.Module,
+    available: Callable[[str], str | None] = lambda layer: None,
+    experts_check: Callable[[nn.Module], str | None] | None = None,
+) -> Plan:
+    """One verdict per module class of ``model`` that is a norm, an MLP, experts, the loss head
+    or a caller of a rotary function. ``available(layer)`` is None when the kernel repo has that
+    layer class, else the reason to report."""
+    plan = Plan()
+    seen: set[type] = set()
+
+    for module in model.modules():
+        cls = type(module)
+        if cls in seen or isinstance(module, KernelFunction):
+            continue
+        seen.add(cls)
+        verdict: Verdict | None = None
+        if module is model:
+            verdict = head_verdict(model, available)
+        elif (v := experts_verdict(module, available, experts_check)) is not None:
+            verdict = v
+        elif (v := mlp_verdict(module, available)) is not None:
+            verdict = v
+        elif is_norm(module):
+            verdict = norm_verdict(module, available)
+        if verdict is not None:
+            plan.classes[cls] = verdict
+        plan.rotary += rotary_uses(cls, available)
+    return plan

@@ -1,0 +1,131 @@
+"""One line to train any causal LM on this project's training kernels.
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, use_kernels=True, kernel_config=kernels.training_kernel_config(path))   # GPU
+    report = kernels.apply_training_kernels(model)                                   # any device
+
+The model's modules are classified by structure (classify.py); the classes the kernels serve
+get layer names, the others keep their forward and carry the reason, which
+``kernels.last_report(model)`` lists next to what was bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..errors import InvalidSpec
+from .classify import Plan, classify
+
+TRAINING_REPO = "kernels-lab/training"
+
+
+def _spec(repo: str, version: int | None, revision: str | None, layer: str) -> str:
+    if revision is not None:
+        return f"{repo}@{revision}:{layer}"
+    return f"{repo}:{layer}" if version in (None, 1) else f"{repo}@v{version}:{layer}"
+
+
+def _load_repo(repo: str, version: int | None, revision: str | None) -> Any:
+    from ..api import get_kernel
+
+    if revision is not None:
+        return get_kernel(repo, revision=revision)
+    return get_kernel(repo, version=version or 1)
+
+
+def repo_checks(
+    kernel: Any,
+) -> tuple[Callable[[str], str | None], Callable[[nn.Module], str | None] | None]:
+    """(which layer classes the loaded kernel repo has, its experts check if it has one)."""
+    layers = getattr(kernel, "layers", None)
+    names = set(dir(layers)) if layers is not None else set()
+    moe = getattr(kernel, "moe", None)
+    if moe is not None:
+        names |= {n for n in dir(moe) if n == "MoEExperts"}
+
+    def available(layer: str) -> str | None:
+        if layer in names:
+            return None
+        if layer == "MoEExperts":
+            return "no experts kernel in this build"
+        return f"no {layer} layer in this build of the training kernels"
+
+    return available, getattr(moe, "experts_supported", None)
+
+
+def _model_from(source: Any) -> nn.Module:
+    """A model to classify: the model itself, or one built on the meta device (no memory, no
+    weights) from a config, a local checkpoint folder or a Hub repo id."""
+    if isinstance(source, nn.Module):
+        return source
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        config = source
+    elif isinstance(source, str):
+        config = AutoConfig.from_pretrained(source)
+    else:
+        raise InvalidSpec(
+            f"training kernels need a model, a config, a checkpoint path or a repo id, got {type(source).__name__}",
+            hint='pass e.g. "Qwen/Qwen3-0.6B", a saved folder, model.config or the model',
+        )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def plan_training_kernels(
+    source: Any, *, repo: str = TRAINING_REPO, version: int | None = 1, revision: str | None = None
+) -> Plan:
+    """Classify ``source`` (model, config, path or repo id) against the kernel repo's layers
+    and mark its classes; the plan lists what is served and what is not (with the reason)."""
+    model = _model_from(source)
+    available, experts_check = repo_checks(_load_repo(repo, version, revision))
+    plan = classify(model, available, experts_check)
+    plan.mark(model if source is model else None)
+    return plan
+
+
+def training_kernel_mapping(
+    source: Any, *, repo: str = TRAINING_REPO, version: int | None = 1, revision: str | None = None
+) -> dict[str, str]:
+    """``{layer name: "repo:Layer"}`` for every module kind of ``source`` the training kernels
+    serve (for ``apply_kernels`` or ``KernelConfig(kernel_mapping=...)``)."""
+    plan = plan_training_kernels(source, repo=repo, version=version, revision=revision)
+    return {layer: _spec(repo, version, revision, layer) for layer in sorted(plan.served())}
+
+
+def training_kernel_config(
+    source: Any, *, repo: str = TRAINING_REPO, version: int | None = 1, revision: str | None = None
+):
+    """A transformers ``KernelConfig`` for ``from_pretrained(..., use_kernels=True,
+    kernel_config=...)``. transformers accepts KernelConfig on accelerators only; on the CPU
+    use ``apply_training_kernels(model)``."""
+    from transformers import KernelConfig
+
+    mapping = training_kernel_mapping(source, repo=repo, version=version, revision=revision)
+    if revision is None and version in (None, 1):
+        return KernelConfig(kernel_mapping=mapping)
+    meta = {"revision": revision} if revision is not None else {"version": version}
+    # transformers does not parse "@rev" in a KernelConfig: the tuple form carries it
+    return KernelConfig(kernel_mapping={name: (f"{repo}:{name}", dict(meta)) for name in mapping})
+
+
+def apply_training_kernels(
+    model: nn.Module,
+    *,
+    repo: str = TRAINING_REPO,
+    version: int | None = 1,
+    revision: str | None = None,
+    mode: Any = None,
+):
+    """Classify ``model``, bind the training kernels to every module they serve, and return
+    the ``BindReport`` (modules left as they are appear with status "original" and the reason).
+    Works on any device, under the Trainer, FSDP2 and torch.compile."""
+    from ..layers import apply_kernels
+
+    mapping = training_kernel_mapping(model, repo=repo, version=version, revision=revision)
+    return apply_kernels(model, mapping, mode=mode)

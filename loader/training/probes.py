@@ -1,0 +1,286 @@
+"""Numerical probes: what a module or a function computes, told apart by running it.
+
+Attributes say what a module holds; only running it says what it computes (a ``1 + weight``
+offset, where the cast to the input dtype happens, which half of a fused projection is the gate,
+the rotary layout). Each probe runs the module's own forward (or the function) on a small random
+input on the CPU, next to the plain-torch formula of each kernel layer that could serve it, and
+names the formula that matches. Probes never touch the model's parameters: a module is probed
+through a copy with small random weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Formulas agree with the module's forward to this relative error in fp32 (the same math in
+# another order), and are told apart by far larger gaps (an offset of 1, a cast).
+_FP32_RTOL = 1e-4
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = b.float().abs().max().clamp_min(1e-6)
+    return bool(((a.float() - b.float()).abs().max() / scale) <= rtol)
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")
+
+
+def eps_of(module: nn.Module) -> float | None:
+    """The norm's epsilon, under the names transformers uses."""
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def one_tensor_forward(cls: type) -> bool:
+    """forward(self, x) with no other required argument."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    required = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    others = [p for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(required) == 1 and len(others) == 1
+
+
+def _materialized(module: nn.Module, seed: int) -> nn.Module:
+    """A CPU fp32 copy of a small module with random parameters (meta tensors allowed)."""
+    probe = copy.deepcopy(module)
+    if any(p.is_meta for p in probe.parameters()) or any(b.is_meta for b in probe.buffers()):
+        probe = probe.to_empty(device="cpu")
+    probe = probe.to(device="cpu", dtype=torch.float32)
+    probe.__dict__.pop("forward", None)  # a kernel bound earlier: probe the module's own forward
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in probe.parameters():
+            # weights around 0.5: an offset of one (Gemma) or a zero-centred weight both show
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.25)
+    return probe
+
+
+# -- norms ------------------------------------------------------------------------------------
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+NORM_FORMULAS: dict[str, Callable[[torch.Tensor, nn.Module, float], torch.Tensor]] = {
+    # Llama: normalise in fp32, cast, then scale by the weight in the input dtype.
+    "RMSNorm": lambda x, m, eps: m.weight * _rms(x, eps).to(x.dtype),
+    # Gemma: (1 + weight), all in fp32, one cast at the end.
+    "GemmaRMSNorm": lambda x, m, eps: (_rms(x, eps) * (1.0 + m.weight.float())).to(x.dtype),
+    # OLMo2-style: the weight multiplies the fp32 normalised value, one cast at the end.
+    "RMSNormFloatWeight": lambda x, m, eps: (_rms(x, eps) * m.weight.float()).to(x.dtype),
+    "WeightlessRMSNorm": lambda x, m, eps: _rms(x, eps).to(x.dtype),
+    "LayerNorm": lambda x, m, eps: F.layer_norm(
+        x.float(),
+        x.shape[-1:],
+        None if getattr(m, "weight", None) is None else m.weight.float(),
+        None if getattr(m, "bias", None) is None else m.bias.float(),
+        eps,
+    ).to(x.dtype),
+}
+
+
+def norm_width(module: nn.Module) -> int | None:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.shape[-1] if weight.dim() == 1 else None
+    for name in ("normalized_shape", "hidden_size", "dim", "d_model"):
+        value = getattr(module, name, None)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, tuple) and len(value) == 1:
+            return int(value[0])
+    return None
+
+
+def probe_norm(module: nn.Module) -> tuple[str | None, str]:
+    """(the norm formula the module computes, or None; a one-line reason when None).
+
+    fp32 picks the formulas that agree; bf16 then picks among them the one whose casts match
+    (Llama, OLMo2 and a weight-less norm are the same math in fp32)."""
+    eps = eps_of(module)
+    if eps is None:
+        return None, "no epsilon attribute (variance_epsilon / eps)"
+    width = norm_width(module)
+    if width is None:
+        return None, "weight is not one vector over the last dim"
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) - {"weight", "bias"}:
+        return None, f"parameters {sorted(params)} are not weight/bias"
+    has_weight, has_bias = "weight" in params, "bias" in params
+    if has_bias:
+        candidates = ["LayerNorm"]
+    elif has_weight:
+        candidates = ["RMSNorm", "GemmaRMSNorm", "RMSNormFloatWeight", "LayerNorm"]
+    else:
+        candidates = ["WeightlessRMSNorm", "LayerNorm"]
+    try:
+        probe = _materialized(module, seed=0)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(2, 3, width, generator=gen)
+        # row 0: a mean, so LayerNorm shows; row 1: mean square near eps, so where eps goes shows
+        x[:, 0] = x[:, 0] * 2 + 0.5
+        x[:, 1] = x[:, 1] * eps**0.5
+        with torch.no_grad():
+            out = probe(x)
+            fits = [
+                c for c in candidates if _close(NORM_FORMULAS[c](x, probe, eps), out, _FP32_RTOL)
+            ]
+            if len(fits) > 1:
+                xb, pb = x.bfloat16(), probe.bfloat16()
+                outb = pb(xb)
+                fits.sort(key=lambda c: _gap(NORM_FORMULAS[c](xb, pb, eps), outb))
+    except Exception as exc:  # noqa: BLE001 - any failure means: not one of ours
+        return None, f"its forward failed on a probe input ({type(exc).__name__})"
+    if not fits:
+        return None, "computes none of RMSNorm, Gemma (1 + weight) RMSNorm or LayerNorm"
+    return fits[0], ""
+
+
+# -- MLPs -------------------------------------------------------------------------------------
+
+SILU_NAMES = frozenset({"SiLUActivation", "SiLU"})
+GELU_NAMES = frozenset(
+    {
+        "GELUActivation",
+        "GELU",
+        "GELUTanh",
+        "PytorchGELUTanh",
+        "NewGELUActivation",
+        "FastGELUActivation",
+        "GELUTanhActivation",
+        "QuickGELUActivation",
+    }
+)
+ACT_ATTRS = ("act_fn", "activation_fn", "act")
+
+
+def activation_of(module: nn.Module) -> nn.Module | None:
+    for name in ACT_ATTRS:
+        act = getattr(module, name, None)
+        if isinstance(act, nn.Module):
+            return act
+    return None
+
+
+def _small_linear(weight_like: nn.Module, n_in: int, n_out: int, gen: torch.Generator) -> nn.Linear:
+    lin = nn.Linear(n_in, n_out, bias=getattr(weight_like, "bias", None) is not None)
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return lin
+
+
+def probe_mlp(module: nn.Module, fused: bool) -> bool:
+    """Whether the MLP computes down(act(gate(x)) * up(x)) (separate projections) or, with
+    ``fused``, the same with gate and up the two halves of gate_up_proj(x), gate first.
+
+    The probe is a shallow copy whose projections are small random Linears (a 70B MLP is
+    never materialised); the module's own activation is used."""
+    hidden, inner = 8, 12
+    gen = torch.Generator().manual_seed(2)
+    probe = copy.copy(module)
+    probe._modules = dict(module._modules)
+    probe._parameters = {}
+    probe._buffers = {}
+    probe._forward_hooks = type(module._forward_hooks)()
+    probe._forward_pre_hooks = type(module._forward_pre_hooks)()
+    probe.__dict__.pop("forward", None)  # an instance-bound kernel forward
+    if fused:
+        probe._modules["gate_up_proj"] = _small_linear(module.gate_up_proj, hidden, 2 * inner, gen)
+    else:
+        probe._modules["gate_proj"] = _small_linear(module.gate_proj, hidden, inner, gen)
+        probe._modules["up_proj"] = _small_linear(module.up_proj, hidden, inner, gen)
+    probe._modules["down_proj"] = _small_linear(module.down_proj, inner, hidden, gen)
+    act = activation_of(probe)
+    x = torch.randn(2, 3, hidden, generator=gen)
+    try:
+        with torch.no_grad():
+            out = probe(x)
+            if fused:
+                gate, up = probe.gate_up_proj(x).chunk(2, dim=-1)
+            else:
+                gate, up = probe.gate_proj(x), probe.up_proj(x)
+            want = probe.down_proj(act(gate) * up)
+    except Exception:  # noqa: BLE001 - a forward that needs more than x is not one of ours
+        return False
+    return _close(out if isinstance(out, torch.Tensor) else out[0], want, _FP32_RTOL)
+
+
+# -- rotary functions -------------------------------------------------------------------------
+
+ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_half_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """Rotate-half RoPE over the first cos.shape[-1] dims of each head; the rest passes."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    d = cos.shape[-1]
+
+    def one(x):
+        rot = x[..., :d] * cos + _rotate_half(x[..., :d]) * sin
+        return torch.cat((rot, x[..., d:]), dim=-1) if d < x.shape[-1] else rot
+
+    return one(q), one(k)
+
+
+def _cos_sin(batch: int, seq: int, dim: int, gen: torch.Generator):
+    freqs = torch.rand(batch, seq, dim // 2, generator=gen) * 3
+    emb = torch.cat((freqs, freqs), dim=-1)  # what transformers' rotary embeddings return
+    return emb.cos(), emb.sin()
+
+
+def probe_rotary(fn: Callable) -> str | None:
+    """None if ``fn`` is rotate-half RoPE with transformers' signature (full, and partial if
+    it accepts a shorter cos); else the one-line reason."""
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return "its signature cannot be read"
+    if names != ROTARY_PARAMS:
+        return f"takes ({', '.join(names)}), not (q, k, cos, sin, unsqueeze_dim)"
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 5, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen)
+    cos, sin = _cos_sin(2, 5, 16, gen)
+    try:
+        with torch.no_grad():
+            got = fn(q, k, cos, sin)
+    except Exception as exc:  # noqa: BLE001
+        return f"failed on a probe input ({type(exc).__name__})"
+    want = rotate_half_reference(q, k, cos, sin)
+    if not all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False)):
+        return "not the rotate-half layout (interleaved pairs or another formula): no kernel layer for it"
+    cos8, sin8 = _cos_sin(2, 5, 8, gen)
+    try:
+        with torch.no_grad():
+            got = fn(q, k, cos8, sin8)
+    except Exception:  # noqa: BLE001 - full rotary only: the kernel layer is never asked for less
+        return None
+    want = rotate_half_reference(q, k, cos8, sin8)
+    if not all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False)):
+        return "partial rotary in a layout the kernel does not have"
+    return None

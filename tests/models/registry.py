@@ -1,0 +1,236 @@
+"""Tiny random causal LMs for every model type transformers registers, and the 3-step AdamW
+comparison of a plain model with the same model after `kernels.apply_training_kernels`.
+
+Used by tests/models/test_registry_sweep.py and scripts/sweep_models.py. A tiny model is the
+model type's default config with every size attribute shrunk (hidden 64, 2 layers, 4 heads,
+vocab 256, 4 experts, ...), so one training step takes milliseconds on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+VOCAB = 256
+HIDDEN = 64
+HEADS = 4
+HEAD_DIM = 16
+
+# Size attributes a config may carry -> the tiny value (only those the config already has).
+_SHRINK = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "n_embd": HIDDEN,
+    "d_model": HIDDEN,
+    "embed_dim": HIDDEN,
+    "dim": HIDDEN,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "n_inner": 128,
+    "decoder_ffn_dim": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "decoder_layers": 2,
+    "n_layers": 2,
+    "num_attention_heads": HEADS,
+    "n_head": HEADS,
+    "n_heads": HEADS,
+    "decoder_attention_heads": HEADS,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "head_dim": HEAD_DIM,
+    "kv_channels": HEAD_DIM,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 128,
+    "n_positions": 128,
+    "sliding_window": 8,
+    "num_nextn_predict_layers": 0,
+    "rotary_dim": 8,
+    # multi-head latent attention: small ranks, head dims as in the real models' ratios
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+
+
+def tiny_config(model_type: str):
+    """The model type's default config, shrunk; nested text configs are shrunk too."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    _shrink(config)
+    for name in ("text_config", "decoder"):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            _shrink(sub)
+    return config
+
+
+def _shrink(config) -> None:
+    for key, value in _SHRINK.items():
+        try:
+            current = getattr(config, key, None)
+            if current is not None and not isinstance(current, bool):
+                setattr(config, key, value)
+        except Exception:  # noqa: BLE001, S110 - a per-layer or derived attribute: leave it
+            pass
+    for key, value in (("n_group", 1), ("topk_group", 1), ("num_experts_per_tok", 2)):
+        if hasattr(config, key):  # set even where the default is None (grouped MoE routing)
+            setattr(config, key, value)
+    if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = HEADS  # latent attention expands k/v to every head
+    layers = getattr(config, "num_hidden_layers", None)
+    for key in ("layer_types", "layers_block_type", "block_types", "mlp_layer_types"):
+        kinds = getattr(config, key, None)
+        if isinstance(kinds, list) and layers and len(kinds) != layers:
+            # keep the first kind of each distinct block so a hybrid stays hybrid
+            seen = list(dict.fromkeys(kinds))[:layers]
+            setattr(config, key, (seen * layers)[:layers])
+    for key in (
+        "dropout",
+        "attention_dropout",
+        "hidden_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+        "activation_dropout",
+        "router_aux_loss_coef",
+        "ffn_dropout",
+        "classifier_dropout",
+    ):
+        if isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)  # training must be deterministic to compare
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value >= VOCAB:
+            setattr(config, key, VOCAB - 1 - ("pad", "bos", "eos", "dec").index(key[:3]))
+        elif isinstance(value, list):
+            setattr(config, key, [v for v in value if v < VOCAB] or None)
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = False
+    config.use_cache = False
+
+
+def causal_lm_class(model_type: str):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+
+
+def build(model_type: str, seed: int = 0):
+    config = tiny_config(model_type)
+    cls = causal_lm_class(model_type)
+    text = getattr(config, "text_config", None)
+    if not isinstance(config, cls.config_class) and isinstance(text, cls.config_class):
+        config = text  # a multimodal type whose causal LM takes the text config
+    torch.manual_seed(seed)
+    model = cls._from_config(config, attn_implementation="eager")
+    return model
+
+
+@dataclass
+class Outcome:
+    model_type: str
+    status: str  # "match", "mismatch", "skipped", "error"
+    bound: list[str] = field(default_factory=list)
+    unbound: list[str] = field(default_factory=list)
+    loss_diff: float = float("nan")
+    grad_diff: float = float("nan")
+    reason: str = ""
+    seconds: float = 0.0
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def train_steps(model, batches, steps: int = 3) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each AdamW step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    out = []
+    for ids in batches[:steps]:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm().item()
+        out.append((loss.item(), norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def run_one(model_type: str, *, device: str = "cpu", dtype=torch.float32, repo=None) -> Outcome:
+    """Build the tiny model, train a plain copy and a kernelized copy 3 steps, compare."""
+    import kernels
+
+    start = time.perf_counter()
+    try:
+        plain = build(model_type).to(device=device, dtype=dtype)
+        ours = copy.deepcopy(plain)
+        gen = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, VOCAB, (2, 16), generator=gen).to(device) for _ in range(3)]
+        ref = train_steps(plain, batches)
+    except Exception as exc:  # noqa: BLE001 - the plain model is what we cannot test
+        return Outcome(
+            model_type,
+            "skipped",
+            reason=f"plain model: {first_line(exc)}",
+            seconds=time.perf_counter() - start,
+        )
+    if not all(math.isfinite(v) for row in ref for v in row):
+        return Outcome(
+            model_type,
+            "skipped",
+            reason="plain model: non-finite loss",
+            seconds=time.perf_counter() - start,
+        )
+    try:
+        kwargs = {} if repo is None else {"repo": repo}
+        report = kernels.apply_training_kernels(ours, **kwargs)
+        got = train_steps(ours, batches)
+    except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+        return Outcome(
+            model_type, "error", reason=first_line(exc), seconds=time.perf_counter() - start
+        )
+    bound = sorted({f"{e.layer_name}" for e in report if e.status == "bound"})
+    unbound = sorted({f"{e.layer_name}: {e.reason}" for e in report if e.status != "bound"})
+    loss_diff = max(_rel(a[0], b[0]) for a, b in zip(got, ref, strict=True))
+    grad_diff = max(_rel(a[1], b[1]) for a, b in zip(got, ref, strict=True))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    status = "match" if loss_diff <= tol and grad_diff <= tol else "mismatch"
+    return Outcome(
+        model_type,
+        status,
+        bound,
+        unbound,
+        loss_diff,
+        grad_diff,
+        seconds=time.perf_counter() - start,
+    )
