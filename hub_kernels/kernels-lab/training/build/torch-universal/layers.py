@@ -164,3 +164,6 @@ class LayerNorm(nn.Module):
 # Loss layers (loss_layers.py): transformers' *ForCausalLM forward with the fused linear
 # cross-entropy, and nn.CrossEntropyLoss on the CE kernel.
 from .loss_layers import CrossEntropyLoss, ForCausalLM, ForCausalLMCrossEntropy  # noqa: E402, F401
+
+# Mixture-of-experts experts with fused 3-D weights (moe.py).
+from .moe import MoEExperts  # noqa: E402, F401
