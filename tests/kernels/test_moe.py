@@ -306,3 +306,35 @@ def test_compiles_fullgraph(kt):
     y_ref.sum().backward()
     assert_close(x1.grad, x2.grad, torch.float32, "d hidden_states")
     assert_close(module.gate_up_proj.grad, ref.gate_up_proj.grad, torch.float32, "d gate_up_proj")
+
+
+def test_autocast_runs_the_matmuls_in_the_autocast_dtype(kt):
+    """Under autocast with fp32 weights (mixed-precision training) the experts compute in bf16
+    as the module's own linears would, and the fp32 weights get fp32 gradients."""
+    ref = experts("qwen3_moe")
+    module = copy.deepcopy(ref)
+    module.forward = kt.layers.MoEExperts.forward.__get__(module)
+    x = torch.randn(9, 32)
+    idx, w = routing(9)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = module(x1, idx, w)
+        y_ref = ref(x2, idx, w)
+    # The [S, 2I] gate/up output was computed in bf16, not in the weights' fp32.
+    assert [t.dtype for t in saved if t.shape == (9 * K, 48)] == [torch.bfloat16]
+    assert y.dtype == y_ref.dtype == torch.float32
+    wgu64, wd64 = leaf64(ref.gate_up_proj), leaf64(ref.down_proj)
+    want = reference64(leaf64(x), wgu64, wd64, idx, w.double(), "silu", False)
+    assert_close(y, want, torch.bfloat16, "output", 4.0)
+    y.sum().backward()
+    want.sum().backward()
+    assert module.gate_up_proj.grad.dtype == torch.float32
+    assert_close(module.gate_up_proj.grad, wgu64.grad, torch.bfloat16, "d gate_up_proj", 4.0)
+    assert_close(module.down_proj.grad, wd64.grad, torch.bfloat16, "d down_proj", 4.0)

@@ -422,6 +422,14 @@ def moe_experts(
     and ``w_down`` [E, H, I], or with ``transposed`` [E, H, 2I] and [E, I, H]. Pairs whose
     expert id is >= E contribute nothing. Gradients flow to x, both weights and top_k_weights.
     """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # As autocast runs nn.Linear: the matmuls in the autocast dtype, gradients flowing back
+        # to the stored weights through the casts; the kernels then run with autocast off.
+        dtype = torch.get_autocast_dtype(device_type)
+        x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return moe_experts(x, w_gate_up, w_down, top_k_index, top_k_weights, act, transposed)
     if torch.compiler.is_compiling():
         return moe_experts_fwd(x, w_gate_up, w_down, top_k_index, top_k_weights, act, transposed)[0]
     return _MoEFunction.apply(x, w_gate_up, w_down, top_k_index, top_k_weights, act, transposed)
@@ -514,8 +522,8 @@ class MoEExperts(nn.Module):
         w_gate_up, w_down = self.gate_up_proj, self.down_proj
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        if x.dtype != w_gate_up.dtype:  # autocast leaves fp32 activations with bf16 weights
-            x = x.to(w_gate_up.dtype)
+        if x.dtype != w_gate_up.dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(w_gate_up.dtype)  # the eager module's matmuls would refuse mixed dtypes
         out = moe_experts(
             x,
             w_gate_up,
