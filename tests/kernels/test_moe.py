@@ -30,6 +30,9 @@ FAMILIES = {
     "hunyuan_v1_moe": ("HunYuanMoEV1Experts", "HunYuanMoEV1Config", dict(num_experts=E, moe_intermediate_size=24)),
     "flex_olmo": ("FlexOlmoExperts", "FlexOlmoConfig", dict(num_experts=E)),
     "aria": ("AriaExperts", "AriaTextConfig", dict(moe_num_experts=E, moe_topk=K)),
+    # transposed, biases, the clamped gate: interleaved gate/up columns and halves
+    "gpt_oss": ("GptOssExperts", "GptOssConfig", dict(num_local_experts=E)),
+    "openai_privacy_filter": ("OpenAIPrivacyFilterExperts", "OpenAIPrivacyFilterConfig", dict(num_local_experts=E)),
 }  # fmt: skip
 
 
@@ -56,8 +59,10 @@ def routing(tokens: int, experts_: int = E, k: int = K, unused: int | None = E -
     return idx, torch.rand(tokens, k) + 0.1
 
 
-def reference64(x, w_gate_up, w_down, idx, w, act: str, transposed: bool):
-    """The experts' output from the formula, in float64, one (token, expert) pair at a time."""
+def reference64(x, w_gate_up, w_down, idx, w, act: str, transposed: bool, **gate):
+    """The experts' output from the formula, in float64, one (token, expert) pair at a time.
+    `gate` may hold b_gate_up, b_down, interleaved, alpha and limit (act "clamped")."""
+    b_gu, b_d = gate.get("b_gate_up"), gate.get("b_down")
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
@@ -66,13 +71,21 @@ def reference64(x, w_gate_up, w_down, idx, w, act: str, transposed: bool):
                 continue
             wgu = w_gate_up[e] if transposed else w_gate_up[e].t()
             wd = w_down[e] if transposed else w_down[e].t()
-            gate, up = (x[t] @ wgu).chunk(2)
-            a = (
-                F.silu(gate)
-                if act == "silu"
-                else F.gelu(gate, approximate=act.removeprefix("gelu_"))
-            )
-            out[t] = out[t] + w[t, j] * ((a * up) @ wd)
+            gu = x[t] @ wgu + (0 if b_gu is None else b_gu[e])
+            gate_, up = (gu[0::2], gu[1::2]) if gate.get("interleaved") else gu.chunk(2)
+            if act == "clamped":
+                limit, alpha = gate["limit"], gate["alpha"]
+                g = gate_.clamp(max=limit)
+                h = (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+            else:
+                a = (
+                    F.silu(gate_)
+                    if act == "silu"
+                    else F.gelu(gate_, approximate=act.removeprefix("gelu_"))
+                )
+                h = a * up
+            y = h @ wd + (0 if b_d is None else b_d[e])
+            out[t] = out[t] + w[t, j] * y
     return out
 
 
@@ -189,6 +202,20 @@ def tiny_moe_model(kind: str):
             num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1,
         )  # fmt: skip
         return Qwen3MoeForCausalLM(cfg)
+    if kind == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        cfg = GptOssConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=E,
+            num_experts_per_tok=K,
+        )  # fmt: skip
+        model = GptOssForCausalLM(cfg)
+        with torch.no_grad():  # zero-initialised biases would leave their gradients untested
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj_bias.normal_(0.0, 0.5)
+                layer.mlp.experts.down_proj_bias.normal_(0.0, 0.5)
+        return model
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(
@@ -198,7 +225,7 @@ def tiny_moe_model(kind: str):
     return MixtralForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_whole_model_trains_the_same(kt, kind, monkeypatch):
     """A tiny causal LM with every experts module bound: loss and every parameter's gradient
     as the plain model's (fp32)."""
@@ -233,12 +260,9 @@ def test_whole_model_trains_the_same(kt, kind, monkeypatch):
 
 
 def test_what_is_not_served_says_why(kt):
-    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     supported = kt.moe.experts_supported
-    gpt_oss = GptOssExperts(GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=E))
-    assert "interleaved" in supported(gpt_oss)
     relu = experts("mixtral")
     relu.act_fn = torch.nn.ReLU()
     assert supported(relu) == "act_fn ReLU has no fused kernel"
@@ -247,10 +271,64 @@ def test_what_is_not_served_says_why(kt):
     gelu.act_fn = torch.nn.GELU(approximate="tanh")
     assert supported(gelu) is None
     assert supported(experts("aria")) is None  # transposed weights are served
+    assert supported(experts("gpt_oss")) is None  # recognised by what its _apply_gate computes
+
+    class OtherGate(Qwen3MoeExperts):  # a custom gate with gpt-oss's attributes, another formula
+        alpha, limit = 1.702, 7.0
+
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return gate.clamp(max=self.limit) * torch.sigmoid(gate) * up
+
+    other = OtherGate(experts("qwen3_moe").config)
+    assert supported(other) == "custom gate OtherGate._apply_gate has no fused kernel"
+    no_gate = experts("qwen3_moe")
+    no_gate.has_gate = False
+    assert "without a gate" in supported(no_gate)
 
     relu.forward = kt.layers.MoEExperts.forward.__get__(relu)
     with pytest.raises(ValueError, match="act_fn ReLU has no fused kernel"):
         relu(torch.randn(3, 32), *routing(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("path", ["grouped", "loop"])
+def test_clamped_gate_with_biases_every_gradient(kt, dtype, interleaved, path):
+    """gpt-oss's experts (transposed weights, biases, clamped SwiGLU) against the formula; a
+    small limit makes both clamps bite on many elements."""
+    hidden, inter = (32, 24) if path == "grouped" else (30, 20)
+    tokens, alpha, limit = 13, 1.702, 0.7
+    mk = lambda *shape: (torch.randn(*shape) * 0.5).to(dtype).requires_grad_()  # noqa: E731
+    w_gate_up, w_down = mk(E, hidden, 2 * inter), mk(E, inter, hidden)
+    b_gate_up, b_down = mk(E, 2 * inter), mk(E, hidden)
+    x = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+    idx, w = routing(tokens)
+    w = w.requires_grad_()
+    assert kt.moe._use_grouped_mm(x, w_gate_up, w_down) == (path == "grouped")
+    out = kt.moe.moe_experts(
+        x, w_gate_up, w_down, idx, w, kt.moe.CLAMPED_SWIGLU, True, b_gate_up=b_gate_up,
+        b_down=b_down, interleaved=interleaved, alpha=alpha, limit=limit,
+    )  # fmt: skip
+    leaves = [leaf64(t) for t in (x, w_gate_up, w_down, b_gate_up, b_down, w)]
+    x64, wgu64, wd64, bgu64, bd64, w64 = leaves
+    ref = reference64(
+        x64, wgu64, wd64, idx, w64, "clamped", True, b_gate_up=bgu64, b_down=bd64,
+        interleaved=interleaved, alpha=alpha, limit=limit,
+    )  # fmt: skip
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    factor = 4.0 if dtype == torch.bfloat16 else 1.0
+    assert_close(out, ref, dtype, "output", factor)
+    names = ["d x", "d gate_up_proj", "d down_proj", "d gate_up_proj_bias", "d down_proj_bias"]
+    for name, got, want in zip(names + ["d top_k_weights"], (x, w_gate_up, w_down, b_gate_up, b_down, w), leaves, strict=True):  # fmt: skip
+        # In bf16 a pre-activation within a rounding step of +-limit may fall on the other side
+        # of the clamp than in float64, and the clamp's gradient jumps there: the gradients
+        # upstream of the gate are checked in fp32 only.
+        if dtype == torch.float32 or name in ("d down_proj", "d down_proj_bias", "d top_k_weights"):
+            assert_close(got.grad, want.grad, dtype, name, factor)
+    assert not b_gate_up.grad[E - 1].any() and not b_down.grad[E - 1].any()
 
 
 def test_only_gate_up_is_kept_for_the_backward(kt):
