@@ -12,7 +12,8 @@ fwd+bwd above what its inputs and outputs hold, through scripts/bench_harness.py
 
 Shapes: Qwen3-30B-A3B experts (E=128, top-8, H=2048, I=768, bf16 routing weights) and
 Mixtral-8x7B experts (E=8, top-2, H=4096, I=14336, fp32 routing weights), 8192 and 16384 tokens;
-routing from a random router's softmax top-k.
+routing from a random router's softmax top-k. `--shapes gpt_oss` adds gpt-oss-20b's experts
+(E=32, top-4, H=I=2880, biases, clamped SwiGLU).
 
 End to end (--e2e): a Qwen3-30B-A3B-shaped causal LM with --layers decoder layers (random init,
 bf16, sdpa), one process per setup, AdamW steps on random tokens: tokens/s and peak memory.
@@ -43,7 +44,11 @@ SHAPES = {
     # name: (experts, top_k, hidden, intermediate, routing-weight dtype name, family)
     "qwen3": (128, 8, 2048, 768, "bfloat16", "qwen3_moe"),
     "mixtral": (8, 2, 4096, 14336, "float32", "mixtral"),
+    # gpt-oss-20b: transposed weights, biases, clamped SwiGLU (Liger has no path for it)
+    "gpt_oss": (32, 4, 2880, 2880, "bfloat16", "gpt_oss"),
+    "tiny": (8, 2, 64, 32, "float32", "qwen3_moe"),  # smoke test
 }
+DEVICE = "cuda"  # --device cpu with --check-only --shapes tiny: a smoke test of this script
 IMPLS = ["eager", "grouped_mm", "compile", "liger", "ours"]
 E2E_SETUPS = ["eager", "grouped_mm", "liger-experts", "liger", "ours", "ours-all"]
 
@@ -66,6 +71,13 @@ def experts_module(family: str, e: int, k: int, h: int, i: int, impl: str):
         config = Config(
             hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k
         )
+    elif family == "gpt_oss":
+        from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig as Config
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as Experts
+
+        config = Config(
+            hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k
+        )
     else:
         from transformers.models.mixtral.configuration_mixtral import MixtralConfig as Config
         from transformers.models.mixtral.modeling_mixtral import MixtralExperts as Experts
@@ -75,7 +87,7 @@ def experts_module(family: str, e: int, k: int, h: int, i: int, impl: str):
         )
     config._experts_implementation = "eager" if impl == "eager" else "grouped_mm"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         module = Experts(config).to(torch.bfloat16)
     with torch.no_grad():
         for p in module.parameters():
@@ -88,13 +100,42 @@ def routing(tokens: int, e: int, k: int, h: int, w_dtype):
     random router (softmax, top-k, renormalised), the weights requiring grad as in training."""
     import torch
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    router = torch.randn(h, e, device="cuda", dtype=torch.bfloat16, generator=gen) * h**-0.5
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    x = torch.randn(tokens, h, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    router = torch.randn(h, e, device=DEVICE, dtype=torch.bfloat16, generator=gen) * h**-0.5
     probs = torch.softmax((x @ router).float(), dim=-1)
     w, idx = torch.topk(probs, k, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(w_dtype)
     return x.requires_grad_(), idx, w.requires_grad_()
+
+
+def bind(name: str, module, family: str):
+    """What to call for implementation `name` on `module`: f(x, top_k_index, top_k_weights)."""
+    import torch
+
+    if name == "ours":
+        from bench_harness import load_training_kernels
+
+        kt = load_training_kernels()
+        reason = kt.moe.experts_supported(module)
+        if reason:
+            raise RuntimeError(reason)
+        module.forward = kt.layers.MoEExperts.forward.__get__(module)
+        return module
+    if name == "compile":
+        return torch.compile(module)
+    if name == "liger":
+        if family == "gpt_oss":
+            raise RuntimeError("Liger's fused MoE has no expert biases or clamped gate")
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        def call(x, idx, w):
+            return LigerFusedMoEFunction.apply(
+                x, module.gate_up_proj, module.down_proj, idx.to(torch.int32), w
+            )
+
+        return call
+    return module
 
 
 def make_impl(name: str, shape: str, tokens: int):
@@ -106,29 +147,8 @@ def make_impl(name: str, shape: str, tokens: int):
         e, k, h, i, wd, family = SHAPES[shape]
         module = experts_module(family, e, k, h, i, name)
         x, idx, w = routing(tokens, e, k, h, getattr(torch, wd))
-        if name == "ours":
-            from bench_harness import load_training_kernels
-
-            kt = load_training_kernels()
-            reason = kt.moe.experts_supported(module)
-            if reason:
-                raise RuntimeError(reason)
-            module.forward = kt.layers.MoEExperts.forward.__get__(module)
-            call = module
-        elif name == "compile":
-            call = torch.compile(module)
-        elif name == "liger":
-            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
-
-            idx32 = idx.to(torch.int32)
-
-            def call(x, _idx, w):
-                return LigerFusedMoEFunction.apply(
-                    x, module.gate_up_proj, module.down_proj, idx32, w
-                )
-        else:
-            call = module
-        dy = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+        call = bind(name, module, family)
+        dy = torch.randn(tokens, h, device=DEVICE, dtype=torch.bfloat16)
         params = list(module.parameters())
 
         def fwd():
@@ -146,8 +166,55 @@ def make_impl(name: str, shape: str, tokens: int):
     return make
 
 
+def accuracy(shape: str, tokens: int, impls: list[str]) -> list[str]:
+    """Markdown rows: each implementation's relative error (output and every gradient) against
+    the same module run in fp32 by transformers' loop, on one set of inputs."""
+    import torch
+
+    e, k, h, i, wd, family = SHAPES[shape]
+
+    ref = experts_module(family, e, k, h, i, "eager").float()
+    x, idx, w = routing(tokens, e, k, h, getattr(torch, wd))
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    dy = torch.randn(tokens, h, device=DEVICE, dtype=torch.bfloat16)
+    ref(x32, idx, w32).backward(dy.float())
+    want = [x32.grad, w32.grad] + [p.grad for p in ref.parameters()]
+    rows = []
+    for name in impls:
+        try:
+            module = experts_module(family, e, k, h, i, name)
+            call = bind(name, module, family)
+            xb, wb = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            out = call(xb, idx, wb)
+            out.backward(dy)
+            got = [xb.grad, wb.grad] + [p.grad for p in module.parameters()]
+            out_ref = ref(x32.detach(), idx, w32.detach())
+            errs = [(out.float() - out_ref).norm() / out_ref.norm()]
+            errs += [(g.float() - r).norm() / r.norm() for g, r in zip(got, want, strict=True)]
+            rows.append(
+                f"| {shape} T{tokens} | {name} | " + " | ".join(f"{v:.1e}" for v in errs) + " |"
+            )
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+            rows.append(f"| {shape} T{tokens} | {name} | error: {type(exc).__name__}: {exc} |")
+        torch.cuda.empty_cache()
+    return rows
+
+
 def op_level(args) -> int:
     import torch
+
+    checks = [
+        "Relative error against the module in fp32 (transformers' loop), one input set per shape:",
+        "",
+        "| case | impl | output | d x | d top_k_weights | d gate_up_proj | d down_proj | (biases) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for shape in args.shapes.split(","):
+        tokens = min(int(t) for t in args.tokens.split(","))
+        checks += accuracy(shape, tokens, args.impls.split(","))
+    if args.check_only:
+        print(header("accuracy") + "\n\n" + "\n".join(checks))
+        return 0
     from bench_harness import Case, Impl, dump, format_table, measure_ceilings, run_case
 
     ceil = measure_ceilings()
@@ -165,7 +232,7 @@ def op_level(args) -> int:
             rows += run_case(case, ceil)
             print(f"{case.op} {case.shape}: done", flush=True)
             torch.cuda.empty_cache()
-    text = header("op level") + "\n\n" + format_table(rows, ceil)
+    text = header("op level") + "\n\n" + format_table(rows, ceil) + "\n\n" + "\n".join(checks)
     print(text)
     if args.out:
         out = Path(args.out)
@@ -341,6 +408,7 @@ def main() -> int:
     p.add_argument("--shapes", default="qwen3,mixtral", help="of: " + ",".join(SHAPES))
     p.add_argument("--tokens", default="8192,16384")
     p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--check-only", action="store_true", help="only the accuracy table")
     p.add_argument("--e2e", action="store_true", help="the end-to-end training run instead")
     p.add_argument("--setups", default=",".join(E2E_SETUPS), help="--e2e setups")
     p.add_argument("--layers", type=int, default=4, help="--e2e decoder layers")
@@ -353,6 +421,8 @@ def main() -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", help="folder for moe.json/moe.md (or moe_e2e.json/moe_e2e.md)")
     args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.e2e and args.child:
         print("RESULT " + json.dumps(e2e_child(args)), flush=True)
         return 0

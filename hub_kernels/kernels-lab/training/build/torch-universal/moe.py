@@ -2,25 +2,30 @@
 
 What the module computes, for each token t and each of its k routed experts e = idx[t, k]:
 
-    out[t] = sum_k w[t, k] * down_e(act(gate_e(x[t])) * up_e(x[t]))
+    out[t] = sum_k w[t, k] * (down_e(gate(gate_up_e(x[t]))) + b_down[e])
 
-with gate_e/up_e the two halves of ``gate_up_proj[e]`` and down_e ``down_proj[e]``.
+with ``gate(v) = act(gate half) * up half`` (or gpt-oss's clamped SwiGLU over alternating
+columns) and gate_up_e / down_e the experts' slices of ``gate_up_proj`` / ``down_proj``
+(gate_up_e including its bias, where the family has one).
 
 The grouped path sorts the S = T*K (token, expert) pairs by expert once, so that every expert's
 rows are one contiguous block, and then runs:
 
     x_g      = x[token of each sorted pair]                      [S, H]  (freed after use)
     gate_up  = grouped_mm(x_g, W_gate_up)                        [S, 2I] (saved)
-    h        = act(gate) * up          (swiglu.py's GLU kernel)  [S, I]
+    h        = gate(gate_up)     (one elementwise kernel; a bias  [S, I]
+                                  is added here, written back into gate_up)
     y        = grouped_mm(h, W_down)                             [S, H]
-    out[t]   = sum_k w[t, k] * y[pair (t, k)]   (one kernel: the routing-weight multiply and the
-                                                 scatter-add, in fp32, no atomics)
+    out[t]   = sum_k w[t, k] * (y[pair (t, k)] + b_down[e])  (one kernel: the down bias, the
+                                                 routing-weight multiply and the scatter-add,
+                                                 in fp32, no atomics)
 
 The backward recomputes what it can instead of keeping it: x_g is gathered again, h is
 recomputed from the saved gate_up in the same pass that computes d(gate_up), the routing-weight
 gradient (a row dot product) and the weighted h that down_proj's weight gradient needs (written
 over the buffer it read, as gated_mlp.py does). Only gate_up, the sort and the inputs are kept
-from the forward: neither x_g, h nor y.
+from the forward: neither x_g, h nor y. Bias gradients are per-expert row sums, computed as
+grouped matmuls with a selector column.
 
 Grouped matmuls run ``torch._grouped_mm`` where the device and dtype have it (CUDA bf16 on sm80+
 with recent torch; CPU fp32/bf16 on torch >= 2.9), with shapes whose rows are 16-byte aligned;
