@@ -130,9 +130,19 @@ def test_values_and_every_gradient(kt, dtype, act, transposed, shape):
     assert not w_gate_up.grad[E - 1].any() and not w_down.grad[E - 1].any()
 
 
-def test_float64_runs_the_loop_and_sentinel_ids_contribute_nothing(kt):
+def test_float64_runs_the_loop_and_sentinel_ids_contribute_nothing(kt, monkeypatch):
     """Expert-parallel sentinels (id == E) are skipped, as transformers' loop skips them. float64
     takes the loop over experts; the fused kernels compute in fp32 (fp32 tolerance)."""
+    real = kt.moe._mm_groups
+
+    def poisoned(a, b, offs, grouped, counts):
+        # The rows past the last expert's are unspecified (torch._grouped_mm leaves them
+        # uninitialised): NaN there must reach no output or gradient.
+        out = real(a, b, offs, grouped, counts)
+        out[int(offs[-1]) :] = float("nan")
+        return out
+
+    monkeypatch.setattr(kt.moe, "_mm_groups", poisoned)
     x = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
     w_gate_up = (torch.randn(E, 40, 16, dtype=torch.float64) * 0.3).requires_grad_()
     w_down = (torch.randn(E, 16, 20, dtype=torch.float64) * 0.3).requires_grad_()
