@@ -258,3 +258,7 @@ from .loss_layers import (  # noqa: E402, F401
     ForCausalLMCrossEntropy,
     MoEForCausalLM,
 )
+
+
+# Mixture-of-experts experts with fused 3-D weights (moe.py).
+from .moe import MoEExperts  # noqa: E402, F401
