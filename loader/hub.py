@@ -40,6 +40,7 @@ MAX_RETRY_AFTER = 30.0
 # decompression; a tree listing follows at most MAX_LISTING_PAGES `next` links, never one it has
 # seen before and never one to another origin (it would carry the token there).
 MAX_JSON_BYTES = 32 << 20
+MAX_ERROR_BYTES = 1 << 20  # the body of a 4xx/5xx answer, which only feeds an error message
 MAX_LISTING_PAGES = 200
 # The overall deadline of one JSON answer, however slowly its bytes come.
 METADATA_DEADLINE = 60.0
@@ -86,23 +87,41 @@ def _get_json(url: str, params: dict | None = None):
     Returns (parsed JSON, response). The body is read raw and inflated here, so that neither a
     long body nor a compression bomb can take more than MAX_JSON_BYTES. Its HfApi is not used:
     importing it costs ~0.3 s."""
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    from huggingface_hub.utils import build_hf_headers, get_session
 
     headers = build_hf_headers(library_name="kernels", library_version=__version__)
     headers["Accept-Encoding"] = "gzip, identity"
+    deadline = time.monotonic() + METADATA_DEADLINE
     with get_session().stream(
         "GET", url, params=params, headers=headers, timeout=METADATA_TIMEOUT
     ) as response:
-        if response.status_code >= 400:
-            response.read()  # huggingface_hub's error types read the (small) error body
-            hf_raise_for_status(response)
-        body = read_bounded(
-            response, MAX_JSON_BYTES, what=url, deadline=time.monotonic() + METADATA_DEADLINE
-        )
+        raise_for_status(response, what=url, deadline=deadline)
+        body = read_bounded(response, MAX_JSON_BYTES, what=url, deadline=deadline)
     try:
         return json.loads(body), response
     except ValueError as exc:
         raise HubUnavailable(f"{url}: the answer is not JSON ({exc})") from None
+
+
+def raise_for_status(response, *, what: str, deadline: float) -> None:
+    """huggingface_hub's typed error for a 4xx/5xx streamed response, its body read under the
+    same bounds as any answer (at most MAX_ERROR_BYTES, inflated here, before `deadline`):
+    huggingface_hub would read a streamed error body whole."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    if response.status_code < 400:
+        return
+    body = read_bounded(response, MAX_ERROR_BYTES, what=what, deadline=deadline)
+    # Raw bytes: a header with non-ASCII bytes must reach huggingface_hub as it came.
+    headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _BODY_FRAMING_HEADERS]
+    # The same answer with the decoded body in memory, for huggingface_hub to read.
+    copy = type(response)(response.status_code, headers=headers, content=body)
+    copy.request = response.request
+    hf_raise_for_status(copy)
+
+
+# They describe the body on the wire, not the decoded copy handed to huggingface_hub.
+_BODY_FRAMING_HEADERS = {b"content-encoding", b"content-length", b"transfer-encoding"}
 
 
 def read_bounded(response, limit: int, *, what: str, deadline: float) -> bytes:
@@ -347,16 +366,14 @@ def publisher_trusted(publisher: str) -> bool:
     """The Hub's trusted-kernel-publisher flag of an org (False for users and unknown orgs)."""
 
     def call():
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
         url = f"{settings.endpoint()}/api/organizations/{quote(publisher, safe='')}/overview"
-        response = get_session().get(
-            url, headers=build_hf_headers(library_name="kernels"), timeout=METADATA_TIMEOUT
-        )
-        if response.status_code == 404:
-            return False
-        hf_raise_for_status(response)
-        return bool(response.json().get("trustedKernelPublisher", False))
+        try:
+            data, _ = _get_json(url)
+        except Exception as exc:
+            if _status_of(exc) == 404:  # a user, or no such org
+                return False
+            raise
+        return isinstance(data, dict) and data.get("trustedKernelPublisher") is True
 
     return _with_retries(f"publisher {publisher}", METADATA_ATTEMPTS, call)
 
@@ -381,7 +398,7 @@ def download_to(
     """Stream one file at `commit`. `open_sink()` returns (write, discard) for a fresh attempt;
     a failed attempt is discarded and retried. One request (+ a redirect for LFS) per attempt.
     All attempts share one deadline (download_deadline(size)); past it, DownloadTimeout."""
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    from huggingface_hub.utils import build_hf_headers, get_session
 
     if not is_commit_id(commit):
         raise UnsafeResponse(
@@ -411,7 +428,7 @@ def download_to(
             with get_session().stream(
                 "GET", url, headers=headers, follow_redirects=True, timeout=timeout
             ) as response:
-                hf_raise_for_status(response)
+                raise_for_status(response, what=what, deadline=deadline)
                 encoding = response.headers.get("content-encoding", "identity").strip().lower()
                 if encoding not in ("", "identity"):  # we asked for identity: no inflating here
                     raise UnsafeResponse(

@@ -15,7 +15,7 @@ import pytest
 from kernels import fetch
 from kernels import hub as hub_client
 from kernels.cache import Cache
-from kernels.errors import InsufficientSpace, IntegrityError, UnsafeResponse
+from kernels.errors import InsufficientSpace, IntegrityError, KernelNotFound, UnsafeResponse
 
 from tests.security.hostile import (
     KernelRepo,
@@ -121,3 +121,32 @@ def test_files_larger_than_the_free_space_are_refused_before_any_download(hostil
         )
     assert hostile.paths("/resolve/") == []
     assert not [p for p in cache_files(cache) if "objects" in p.parts]
+
+
+def test_a_gzip_bomb_error_body_is_refused_with_bounded_memory(hostile):
+    body = _bomb()
+    hostile.route(
+        r"/api/kernels/evil/relu/revision/[^/]+",
+        lambda _s, _m: Reply(404, {"Content-Type": "text/plain", "Content-Encoding": "gzip"}, body),
+    )
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafeResponse, match="larger than"):
+            hub_client.resolve_revision("evil/relu", "main")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < hub_client.MAX_ERROR_BYTES + (16 << 20), peak
+
+
+def test_a_small_error_body_still_maps_to_the_typed_error(hostile):
+    hostile.route(
+        r"/api/kernels/evil/relu/revision/[^/]+",
+        lambda _s, _m: Reply(
+            404,
+            {"Content-Encoding": "gzip", "X-Error-Code": "RepoNotFound"},
+            gzip.compress(b'{"error": "Repository not found"}'),
+        ),
+    )
+    with pytest.raises(KernelNotFound):
+        hub_client.resolve_revision("evil/relu", "main")
