@@ -86,8 +86,12 @@ def versions(hub):
     """kernels-test/versions with branches v1, v2 and v10 (VALUE = N) and main; trusted."""
     hub.trust("kernels-test")
     w = hub.writer(REPO)
-    commits = {n: w.commit(kernel_files(value=n, version=n), branch=f"v{n}") for n in (1, 2, 10)}
-    commits["main"] = w.commit(kernel_files(value=99, version=10), branch="main")
+    # A name of its own: identical bytes elsewhere would be the same (already imported) build.
+    commits = {
+        n: w.commit(kernel_files(name="v-relu", value=n, version=n), branch=f"v{n}")
+        for n in (1, 2, 10)
+    }
+    commits["main"] = w.commit(kernel_files(name="v-relu", value=99, version=10), branch="main")
     return commits
 
 
@@ -257,7 +261,7 @@ def test_loaded_kernel_is_the_reference_dataclass_plus_optional_fields(hub, vers
     same = LoadedKernel(metadata=record.metadata, module=module, repo_info=record.repo_info)
     assert same == LoadedKernel(record.metadata, module, record.repo_info)
     assert record.repo_info.revision == versions[2] and record.variant == "torch-universal"
-    assert record.metadata.name == "relu" and record.metadata.name.python_name == "relu"
+    assert record.metadata.name == "v-relu" and record.metadata.name.python_name == "v_relu"
 
 
 def test_metadata_name_python_name_and_provenance(tmp_path):
