@@ -10,4 +10,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]" "transformers==5.24.0" "triton==3.9.0" accelerate numpy ruff
+.venv/bin/python -m pip install -q -e ".[test,sign]" "transformers==5.24.0" "triton==3.9.0" accelerate numpy ruff
