@@ -414,7 +414,7 @@ def get_kernel(
         check_arch=check_arch,
         validate_deps=True,
     )
-    check_python_depends(found.metadata, f"{repo_id} ({found.variant})", backend=_backend(backend))
+    check_python_depends(found.metadata, backend=_backend(backend))
     loaded = import_tree(
         found.tree,
         found.metadata,
@@ -470,9 +470,7 @@ def install_kernel(
             progress=progress,
         )
     if validate_dependencies:
-        check_python_depends(
-            found.metadata, f"{repo_id} ({found.variant})", backend=_backend(backend)
-        )
+        check_python_depends(found.metadata, backend=_backend(backend))
     return snapshot_link(
         cache, found.resolution.repo_id, found.resolution.commit, found.variant, found.tree
     )
@@ -631,7 +629,7 @@ def get_local_kernel(
     repo_path = Path(repo_path).expanduser().resolve()
     system = _system(backend)
     folder, metadata, variant = _local_variant(repo_path, system)
-    check_python_depends(metadata, f"{repo_path} ({variant})", backend=system.backend)
+    check_python_depends(metadata, backend=system.backend)
     manifest = _local_manifest(folder)
     loaded = import_tree(
         folder,

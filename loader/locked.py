@@ -170,7 +170,7 @@ def _install_locked(entry: LockEntry, backend, trust_remote_code, all_variants, 
 
 def _import_locked(entry: LockEntry, found: Installed, backend, trust_remote_code) -> ModuleType:
     _check_against_lock(entry, found)
-    check_python_depends(found.metadata, f"{entry.repo_id} ({found.variant})")
+    check_python_depends(found.metadata)
     return import_tree(
         found.tree,
         found.metadata,

@@ -47,7 +47,7 @@ def _detected_backend() -> str:
     return detect_system().backend
 
 
-def check_python_depends(metadata: Metadata, where: str, *, backend: str | None = None) -> None:
+def check_python_depends(metadata: Metadata, *, backend: str | None = None) -> None:
     """Raise UnsupportedDependency (a ValueError) for a declared Python dependency outside the
     allow-list, MissingDependency (an ImportError) for an allowed one that is not installed.
     `backend` is the selected backend kind (default: this machine's)."""

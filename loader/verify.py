@@ -6,9 +6,9 @@ its Sigstore bundle `metadata.json.sigstore`, `__pycache__` folders and `.pyc` f
 over metadata.json therefore covers the whole variant once the digest holds.
 
 `verify_digest` recomputes the digest and reports missing, unknown and changed files, with the
-result types of the reference's `kernels.verify`. `verify_variant` adds the signature step; this
-package does not verify Sigstore signatures yet (docs/compatibility.md says what stands in the
-way), so a variant is never reported as signature-verified: it fails closed.
+result types of the reference's `kernels.verify`. `verify_variant` first checks the Sigstore
+bundle over metadata.json (sigstore-python, an optional dependency imported only here), offline,
+against a trust root and a signer policy. Neither runs on the load path (docs/compatibility.md).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,10 @@ class VerificationResult:
         pass
 
     @dataclass(frozen=True)
+    class SignatureBundleInvalid:
+        reason: str
+
+    @dataclass(frozen=True)
     class SignatureVerificationFailure:
         reason: str
 
@@ -86,6 +91,7 @@ Result = (
     | VerificationResult.DigestMissing
     | VerificationResult.DigestVerificationFailure
     | VerificationResult.SignatureBundleMissing
+    | VerificationResult.SignatureBundleInvalid
     | VerificationResult.SignatureVerificationFailure
 )
 
@@ -150,17 +156,91 @@ def verify_digest(variant_path: Path | str) -> Result:
     return VerificationResult.Success()
 
 
-def verify_variant(variant_path: Path | str, policies: object = None) -> Result:
-    """The reference's `verify_variant`: the Sigstore bundle on metadata.json, then the digest.
+@dataclass(frozen=True)
+class GitHubWorkflowPolicy:
+    """Accept a signing certificate that Sigstore issued to a GitHub Actions workflow of `repo`
+    ("org/name" on GitHub) running one of `signer_uris`
+    (`https://github.com/<org>/<name>/.github/workflows/<file>@<ref>`)."""
 
-    Fails closed: without a bundle, SignatureBundleMissing; with one,
-    SignatureVerificationFailure, because this package does not verify Sigstore signatures yet.
-    Use `verify_digest` for the digest alone.
+    repo: str
+    signer_uris: tuple[str, ...]
+
+    def verify(self, cert: object) -> None:
+        """Raise sigstore's VerificationError unless the certificate's claims match."""
+        from sigstore.verify import policy
+
+        policy.AllOf(
+            [
+                policy.OIDCIssuer(GITHUB_ACTIONS_ISSUER),
+                policy.OIDCIssuerV2(GITHUB_ACTIONS_ISSUER),
+                policy.OIDCSourceRepositoryURI(f"https://github.com/{self.repo}"),
+                policy.AnyOf([policy.OIDCBuildSignerURI(uri) for uri in self.signer_uris]),
+            ]
+        ).verify(cert)
+
+
+GITHUB_ACTIONS_ISSUER = "https://token.actions.githubusercontent.com"
+_COMMUNITY = "https://github.com/huggingface/kernels-community/.github/workflows"
+# The reference's default: builds signed by kernels-community's CI workflows.
+DEFAULT_POLICIES: tuple[GitHubWorkflowPolicy, ...] = (
+    GitHubWorkflowPolicy(
+        "huggingface/kernels-community",
+        tuple(
+            f"{_COMMUNITY}/{name}.yaml@refs/heads/main"
+            for name in ("build", "build-mac", "build-windows", "sign-old-builds")
+        ),
+    ),
+)
+TRUSTED_ROOT_ENV = "KERNELS_SIGSTORE_TRUSTED_ROOT"
+
+
+def verify_variant(
+    variant_path: Path | str,
+    policies: Sequence[object] | None = None,
+    *,
+    trusted_root: Path | str | None = None,
+) -> Result:
+    """The reference's `verify_variant`: the Sigstore bundle `metadata.json.sigstore` over
+    metadata.json's bytes, checked against the trust root and `policies` (any one must accept
+    the signing certificate; default DEFAULT_POLICIES), then the variant against metadata.json's
+    digest. Needs the optional `sigstore` package (`pip install 'kernels[sign]'`).
+
+    The trust root is `trusted_root`, else the file named by KERNELS_SIGSTORE_TRUSTED_ROOT,
+    else the public-good root that sigstore has on disk; it is never refreshed over the network
+    here, so the check runs offline. Fails closed: any problem is a non-Success result.
     """
     variant_path = Path(variant_path)
-    if not (variant_path / BUNDLE).is_file():
+    bundle_path = variant_path / BUNDLE
+    if not bundle_path.is_file():
         return VerificationResult.SignatureBundleMissing()
-    return VerificationResult.SignatureVerificationFailure(
-        "Sigstore signature verification is not implemented in this package "
-        "(see docs/compatibility.md); the digest alone is checked by verify_digest()"
-    )
+    try:
+        from sigstore.errors import VerificationError
+        from sigstore.models import Bundle, InvalidBundle, TrustedRoot
+        from sigstore.verify import Verifier, policy
+    except ImportError:
+        return VerificationResult.SignatureVerificationFailure(
+            "the sigstore package is not installed: pip install 'kernels[sign]'"
+        )
+    try:
+        bundle = Bundle.from_json(bundle_path.read_bytes())
+    except (InvalidBundle, ValueError) as exc:
+        return VerificationResult.SignatureBundleInvalid(str(exc))
+    metadata_path = variant_path / "metadata.json"
+    if not metadata_path.is_file():
+        return VerificationResult.MetadataMissing()
+    root = trusted_root or os.environ.get(TRUSTED_ROOT_ENV)
+    try:
+        if root:
+            verifier = Verifier(trusted_root=TrustedRoot.from_file(str(root)))
+        else:
+            verifier = Verifier.production(offline=True)
+    except Exception as exc:  # noqa: BLE001 - any unusable root is a failure to verify
+        return VerificationResult.SignatureVerificationFailure(f"trust root: {exc}")
+    # Verify the bytes before parsing them: a forged metadata.json never reaches the parser.
+    try:
+        verifier.verify_artifact(
+            metadata_path.read_bytes(), bundle, policy.AnyOf(list(policies or DEFAULT_POLICIES))
+        )
+    except VerificationError as exc:
+        return VerificationResult.SignatureVerificationFailure(str(exc))
+    return verify_digest(variant_path)

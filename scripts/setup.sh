@@ -60,7 +60,7 @@ pip "transformers==5.24.0" ${triton:+"$triton"} accelerate numpy ruff
 step "installing kernels from this checkout (editable, with its test extras)"
 # setuptools prints banners (e.g. "Editable installation") on success: show the log on failure only.
 log=.venv/kernels-setup-pip.log
-if ! pip -e ".[test]" >"$log" 2>&1; then
+if ! pip -e ".[test,sign]" >"$log" 2>&1; then
   cat "$log" >&2
   echo "setup: installing kernels failed (log above)" >&2
   exit 1

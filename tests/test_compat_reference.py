@@ -86,8 +86,12 @@ def versions(hub):
     """kernels-test/versions with branches v1, v2 and v10 (VALUE = N) and main; trusted."""
     hub.trust("kernels-test")
     w = hub.writer(REPO)
-    commits = {n: w.commit(kernel_files(value=n, version=n), branch=f"v{n}") for n in (1, 2, 10)}
-    commits["main"] = w.commit(kernel_files(value=99, version=10), branch="main")
+    # A name of its own: identical bytes elsewhere would be the same (already imported) build.
+    commits = {
+        n: w.commit(kernel_files(name="v-relu", value=n, version=n), branch=f"v{n}")
+        for n in (1, 2, 10)
+    }
+    commits["main"] = w.commit(kernel_files(name="v-relu", value=99, version=10), branch="main")
     return commits
 
 
@@ -257,7 +261,7 @@ def test_loaded_kernel_is_the_reference_dataclass_plus_optional_fields(hub, vers
     same = LoadedKernel(metadata=record.metadata, module=module, repo_info=record.repo_info)
     assert same == LoadedKernel(record.metadata, module, record.repo_info)
     assert record.repo_info.revision == versions[2] and record.variant == "torch-universal"
-    assert record.metadata.name == "relu" and record.metadata.name.python_name == "relu"
+    assert record.metadata.name == "v-relu" and record.metadata.name.python_name == "v_relu"
 
 
 def test_metadata_name_python_name_and_provenance(tmp_path):
@@ -463,7 +467,75 @@ def test_verify_digest(tmp_path):
     bare = _digest_variant(tmp_path / "b", None)
     assert verify_digest(bare) == VerificationResult.DigestMissing()
     assert verify_digest(tmp_path / "nowhere") == VerificationResult.MetadataMissing()
-    # Signatures are not verified here: the answer fails closed, never Success.
+    # Without a valid signature the answer fails closed, never Success.
     assert verify_variant(folder) == VerificationResult.SignatureBundleMissing()
     (folder / "metadata.json.sigstore").write_text("{}")
-    assert isinstance(verify_variant(folder), VerificationResult.SignatureVerificationFailure)
+    assert isinstance(
+        verify_variant(folder),
+        (
+            VerificationResult.SignatureBundleInvalid,
+            VerificationResult.SignatureVerificationFailure,
+        ),
+    )
+
+
+# -- 9. Sigstore signatures, against a private Sigstore made on the spot -----------------------
+
+
+def _signed_variant(tmp_path: Path, sigstore, **sign_kwargs) -> Path:
+    folder = _digest_variant(tmp_path, {"_extension.so": HELLO_SHA256})
+    bundle = sigstore.sign((folder / "metadata.json").read_bytes(), **sign_kwargs)
+    (folder / "metadata.json.sigstore").write_text(bundle)
+    return folder
+
+
+def test_signed_variant_verifies_offline_against_a_pinned_root(tmp_path, monkeypatch):
+    pytest.importorskip("sigstore")
+    from kernels.verify import VerificationResult, verify_variant
+
+    from tests.sigstore_fixture import TestSigstore
+
+    sigstore = TestSigstore()
+    root = sigstore.trusted_root(tmp_path / "trusted_root.json")
+    folder = _signed_variant(tmp_path, sigstore)
+    assert verify_variant(folder, trusted_root=root) == VerificationResult.Success()
+    monkeypatch.setenv("KERNELS_SIGSTORE_TRUSTED_ROOT", str(root))
+    assert verify_variant(folder) == VerificationResult.Success()
+    # A file changed after signing: the signature holds, the digest does not.
+    (folder / "_extension.so").write_bytes(b"hello world!")
+    result = verify_variant(folder)
+    assert isinstance(result, VerificationResult.DigestVerificationFailure)
+
+
+def test_signature_failures(tmp_path):
+    pytest.importorskip("sigstore")
+    from kernels.verify import GitHubWorkflowPolicy, VerificationResult, verify_variant
+
+    from tests.sigstore_fixture import TestSigstore
+
+    failed = VerificationResult.SignatureVerificationFailure
+    sigstore = TestSigstore()
+    root = sigstore.trusted_root(tmp_path / "trusted_root.json")
+
+    (tmp_path / "a").mkdir()
+    tampered = _signed_variant(tmp_path / "a", sigstore)
+    (tampered / "metadata.json").write_text(metadata("dep-kernel", version=2))
+    assert isinstance(verify_variant(tampered, trusted_root=root), failed)
+
+    # Signed by another repo's CI: refused by the default policy, accepted by one naming it.
+    (tmp_path / "b").mkdir()
+    other = _signed_variant(tmp_path / "b", sigstore, repo="someone/fork")
+    assert isinstance(verify_variant(other, trusted_root=root), failed)
+    fork = GitHubWorkflowPolicy(
+        "someone/fork",
+        ("https://github.com/someone/fork/.github/workflows/build.yaml@refs/heads/main",),
+    )
+    assert verify_variant(other, [fork], trusted_root=root) == VerificationResult.Success()
+
+    # A bundle from another Sigstore instance, and this instance's bundle against the public
+    # root sigstore ships: neither chains to the root it is checked against.
+    (tmp_path / "c").mkdir()
+    stranger = _signed_variant(tmp_path / "c", TestSigstore())
+    assert isinstance(verify_variant(stranger, trusted_root=root), failed)
+    (tmp_path / "d").mkdir()
+    assert isinstance(verify_variant(_signed_variant(tmp_path / "d", sigstore)), failed)
