@@ -14,6 +14,7 @@ and review the diff.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -111,6 +112,7 @@ def test_cli_doc_examples_are_current(docs_env):
     new = text
     for match, block in reversed(list(zip(sessions, blocks, strict=True))):
         new = new[: match.start(1)] + block + new[match.end(1) :]
+    _check_json_keys(text, work, env, url, cache)
     if new != text and os.environ.get("UPDATE_DOCS"):
         DOC.write_text(new)
         return
@@ -131,3 +133,35 @@ def test_every_script_the_docs_name_exists():
             if not (ROOT / path).is_file():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, missing
+
+
+# One run of each command with --json, after the sessions above filled the cache and wrote proj/.
+JSON_RUNS = {
+    "pull": "kernels pull kernels-lab/activation@v1 --json",
+    "ls": "kernels ls --json",
+    "du": "kernels du --json",
+    "verify": "kernels verify --json",
+    "prune": "kernels prune --dry-run --json",
+    "lock": "kernels lock proj --json",
+    "sync": "kernels sync proj --json",
+    "info": "kernels info kernels-lab/training@v1 --json",
+    "versions": "kernels versions kernels-lab/activation --json",
+    "env": "kernels env --json",
+    "export": "kernels export json-export --json",
+    "mirror build": "kernels mirror build hub_kernels json-mirror --json",
+}
+
+
+def _documented_keys(text: str) -> dict[str, list[str]]:
+    """command -> the top-level keys its row in the `--json` table lists."""
+    rows = re.findall(r"^\| `([a-z ]+)` \| `([a-z0-9_, ]+)` \|", text, re.M)
+    return {command: [k.strip() for k in keys.split(",")] for command, keys in rows}
+
+
+def _check_json_keys(text: str, work: Path, env: dict, url: str, cache: Path) -> None:
+    documented = _documented_keys(text)
+    assert sorted(documented) == sorted(JSON_RUNS), "the --json table lists other commands"
+    for command, line in JSON_RUNS.items():
+        out = _run(line, work, env, url, cache)
+        first = json.loads(out.splitlines()[0])  # pull and ls: one object per line
+        assert sorted(first) == sorted(documented[command]), (command, sorted(first))
