@@ -30,6 +30,7 @@ import dataclasses
 import datetime as dt
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -250,7 +251,9 @@ def pytest(args: tuple[str, ...], cwd: Path, env: dict[str, str], timeout: int) 
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     summary = lines[-1] if lines else done.stderr.strip()[-200:]
     # The failing test's id (pytest's -ra summary line), without its message.
-    failed = [line.split(" - ")[0].split()[-1] for line in lines if line.startswith("FAILED ")]
+    failed = [
+        line[len("FAILED ") :].split(" - ")[0] for line in lines if line.startswith("FAILED ")
+    ]
     return done.returncode, summary + (f"; {failed[0]}" if failed else "")
 
 
@@ -337,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             for selection in dict.fromkeys(getattr(m, side) for m in chosen):
                 rc, last = pytest(selection, dest, env, args.timeout)
                 if rc != 0:
-                    print(f"baseline fails for `{' '.join(selection)}` ({last}): fix that first")
+                    print(f"baseline fails for `{shlex.join(selection)}` ({last}): fix that first")
                     return 2
             print(f"baseline: all {len(chosen)} selections pass unbroken\n", flush=True)
         rows = [
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 survived.append(m.name)
             result = f"caught ({last})" if caught else f"**SURVIVED** (exit {rc}: {last})"
             row = (
-                f"| {m.name} | {m.stands_for} | {m.path} | `{' '.join(getattr(m, side))}` | "
+                f"| {m.name} | {m.stands_for} | {m.path} | `{shlex.join(getattr(m, side))}` | "
                 f"{result} | {time.monotonic() - start:.0f} |"
             )
             rows.append(row)

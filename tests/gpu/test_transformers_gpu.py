@@ -132,8 +132,14 @@ def test_kernel_config_kernel_stays_bound_through_training(mirror, saved, rms_no
         ref_loss = reference(x, labels=x).loss
         ref_loss.backward()
         assert rms_norm_calls["rms_norm"] == NORMS, f"step {step}"
+        # One forward and one backward launch per norm; step 0 also tunes the backward's
+        # launch shape (each candidate launched several times), later steps reuse it.
         counts = launches.counts()
-        assert counts["_rms_norm_fwd_kernel"] == counts["_rms_norm_bwd_kernel"] == NORMS, counts
+        assert counts["_rms_norm_fwd_kernel"] == NORMS, counts
+        if step > 0:
+            assert counts["_rms_norm_bwd_kernel"] == NORMS, counts
+        else:
+            assert counts["_rms_norm_bwd_kernel"] >= NORMS, counts
         launches.assert_device_matches()
         assert torch.isfinite(loss)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-4, msg=f"step {step}")
