@@ -266,8 +266,8 @@ def glu_case(m: int, n: int, act: str, target_ms: float | None = None) -> Case:
 
         hf_act, op = GELUTanh(), "GeGLU gelu_tanh(a)*b"
 
-        def ours_fn(a, b):
-            return kt.gelu_mul(a, b, "tanh")
+        def ours_fn(a, b, in_place=False):
+            return kt.gelu_mul(a, b, "tanh", in_place=in_place)
 
     def eager():
         a, b = _randn(m, n), _randn(m, n)
@@ -276,6 +276,11 @@ def glu_case(m: int, n: int, act: str, target_ms: float | None = None) -> Case:
     def ours():
         a, b = _randn(m, n), _randn(m, n)
         return (lambda: ours_fn(a, b)), [a, b]
+
+    def ours_in_place():
+        # Gradients written over a and b, as Liger's backward does (the memory comparison).
+        a, b = _randn(m, n), _randn(m, n)
+        return (lambda: ours_fn(a, b, in_place=True)), [a, b]
 
     def liger_impl():
         if isinstance(liger, str):
@@ -288,7 +293,7 @@ def glu_case(m: int, n: int, act: str, target_ms: float | None = None) -> Case:
     return Case(
         op=op,
         shape=f"a,b {m}x{n}",
-        impls=_impls(eager, ours, liger_impl),
+        impls=_impls(eager, ours, liger_impl, {"ours in_place": ours_in_place}),
         bytes_fwd=3 * B2 * elems,
         bytes_fwd_bwd=8 * B2 * elems,
         target_ms=target_ms,

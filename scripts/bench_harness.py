@@ -242,12 +242,12 @@ def rate_cell(row: dict) -> str:
 TIE = 1.03  # within 3 % of the best peer counts as a tie
 
 
-def verdict(group: list[dict]) -> str:
-    """Ours against the best peer of one case: "ok", or what is behind (device / wall time by
-    more than 3 %, or more extra memory than Liger)."""
-    ours = next((r for r in group if r["impl"] == "ours" and "error" not in r), None)
-    peers = [r for r in group if r["impl"] != "ours" and "error" not in r]
-    if ours is None or not peers:
+def verdict(group: list[dict], ours: dict) -> str:
+    """One of our rows ("ours", or a variant named "ours ...") against the best peer of its case
+    (our variants are not peers): "ok", or what is behind (device / wall time by more than 3 %,
+    or more extra memory than Liger)."""
+    peers = [r for r in group if not r["impl"].startswith("ours") and "error" not in r]
+    if "error" in ours or not peers:
         return ""
     behind = []
     for key, what in (("fwd_bwd_ms", "device"), ("fwd_bwd_wall_ms", "wall")):
@@ -283,7 +283,6 @@ def format_table(rows: list[dict], ceil: Ceilings) -> str:
         ok = [r for r in group if "error" not in r]
         best = min((r["fwd_bwd_ms"] for r in ok), default=None)
         best_wall = min((r.get("fwd_bwd_wall_ms", math.inf) for r in ok), default=None)
-        case_verdict = verdict(group)
         for r in group:
             if "error" in r:
                 lines.append(f"| {op} | {shape} | {r['impl']} | error: {r['error']} |||||||||||")
@@ -302,7 +301,7 @@ def format_table(rows: list[dict], ceil: Ceilings) -> str:
                 f"| {r['fwd_bwd_ms']:.3f} | {fmt(r.get('fwd_bwd_wall_ms'), '.3f')} "
                 f"| {rate_cell(r)} | {r['extra_mib']:.0f} | {fmt(r['floor_ms'], '.3f')} "
                 f"| {fmt(r['target_ms'], '.2f')} | {marks} "
-                f"| {case_verdict if r['impl'] == 'ours' else ''} |"
+                f"| {verdict(group, r) if r['impl'].startswith('ours') else ''} |"
             )
     return "\n".join(lines)
 

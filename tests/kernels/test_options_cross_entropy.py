@@ -93,8 +93,9 @@ def test_predicted_tokens_and_accuracy(kt, monkeypatch, vocab, path):
     top = logits.max(-1).values
     logits[0, [5, vocab - 7]] = top[0] + 1.0  # a tie: the first one wins
     logits[1, vocab - 1] = top[1] + 1.0  # the max in the last column
+    logits[2, [10, min(600, vocab - 3)]] = top[2] + 1.0  # a tie in one chunk, two blocks
     expect = logits.argmax(-1)  # torch's argmax returns the first of equal maxima
-    assert expect[0] == 5
+    assert expect[0] == 5 and expect[2] == 10
     hit = torch.rand(20) < 0.5
     target = torch.where(hit & (target != IGNORE), expect, target)
     out = kt.cross_entropy(

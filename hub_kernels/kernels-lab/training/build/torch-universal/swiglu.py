@@ -5,6 +5,11 @@ computed in fp32 and rounded to the input dtype, then multiplied by ``b`` in fp3
 once. The backward recomputes the activation from the saved ``a`` and ``b``; no activation is
 stored. The kernels walk the tensors as flat ranges (rows with a stride when a or b is a column
 slice, e.g. of a fused gate_up projection), so odd widths like 14336 waste no lanes.
+
+With ``in_place=True`` the backward writes d(a) over a and d(b) over b (as Liger's SwiGLU does),
+so it allocates no gradient buffers: a and b hold their gradients afterwards. Their version
+counters are bumped, so an op that saved a or b for its own later backward raises autograd's
+"modified by an inplace operation" error instead of reading gradients as activations.
 """
 
 import torch
@@ -317,18 +322,35 @@ act_fwd.register_autograd(_act_backward, setup_context=_act_setup)
 # autograd.Functions: the eager path, without the custom-op dispatch cost on every call.
 
 
+def _can_overwrite(a: torch.Tensor, b: torch.Tensor, dc: torch.Tensor) -> bool:
+    """Whether d(a), d(b) may go over a and b: both contiguous, of one dtype with dc (the
+    gradients' dtype), and in separate storages (two halves of one buffer take new ones)."""
+    return (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and a.dtype == b.dtype == dc.dtype
+        and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    )
+
+
 class _GLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, act):
+    def forward(ctx, a, b, act, in_place=False):
         ctx.save_for_backward(a, b)
-        ctx.act = act
+        ctx.act, ctx.in_place = act, in_place
         return _glu_forward_any(a, b, act)
 
     @staticmethod
     def backward(ctx, dc):
         a, b = ctx.saved_tensors
-        da, db = _glu_backward_any(dc, a, b, ctx.act)
-        return da, db, None
+        if ctx.in_place and _can_overwrite(a, b, dc):
+            # Each element is read before it is written, by the same program: safe in place.
+            da, db = _glu_backward_any(dc, a, b, ctx.act, out=(a, b))
+            torch.autograd.graph.increment_version(a)
+            torch.autograd.graph.increment_version(b)
+        else:
+            da, db = _glu_backward_any(dc, a, b, ctx.act)
+        return da, db, None, None
 
 
 class _ActFunction(torch.autograd.Function):
@@ -344,10 +366,10 @@ class _ActFunction(torch.autograd.Function):
         return _act_backward_any(dy, x, ctx.act), None
 
 
-def _glu(a, b, act):
+def _glu(a, b, act, in_place=False):
     if torch.compiler.is_compiling():
-        return glu_fwd(a, b, act)
-    return _GLUFunction.apply(a, b, act)
+        return glu_fwd(a, b, act)  # the compiled graph owns its buffers: in_place is ignored
+    return _GLUFunction.apply(a, b, act, in_place)
 
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -357,18 +379,26 @@ def _check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
         )
 
 
-def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """silu(a) * b (SwiGLU), a and b of one shape."""
+def silu_mul(a: torch.Tensor, b: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """silu(a) * b (SwiGLU), a and b of one shape.
+
+    ``in_place=True``: the backward writes the gradients over a and b (no gradient buffers; see
+    the module docstring); where that cannot be done (a or b strided, dtypes differing, one
+    storage) it takes new buffers. Do not read a or b after the backward.
+    """
     _check_pair(a, b)
-    return _glu(a, b, SILU)
+    return _glu(a, b, SILU, in_place)
 
 
-def gelu_mul(a: torch.Tensor, b: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """gelu(a) * b (GeGLU); ``approximate`` is "tanh" or "none" as in torch's gelu."""
+def gelu_mul(
+    a: torch.Tensor, b: torch.Tensor, approximate: str = "tanh", *, in_place: bool = False
+) -> torch.Tensor:
+    """gelu(a) * b (GeGLU); ``approximate`` is "tanh" or "none" as in torch's gelu;
+    ``in_place`` as in `silu_mul`."""
     _check_pair(a, b)
     if approximate not in ("tanh", "none"):
         raise ValueError(f'approximate must be "tanh" or "none", got {approximate!r}')
-    return _glu(a, b, GELU_TANH if approximate == "tanh" else GELU_ERF)
+    return _glu(a, b, GELU_TANH if approximate == "tanh" else GELU_ERF, in_place)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
