@@ -426,3 +426,21 @@ def test_autocast_runs_the_matmuls_in_the_autocast_dtype(kt):
     assert module.gate_up_proj.grad.dtype == torch.float32
     assert_close(module.gate_up_proj.grad, wgu64.grad, torch.bfloat16, "d gate_up_proj", 4.0)
     assert_close(module.down_proj.grad, wd64.grad, torch.bfloat16, "d down_proj", 4.0)
+
+
+def test_gpt_oss_compiles_fullgraph_once_its_gate_was_probed(kt):
+    """The clamped gate is recognised eagerly (experts_supported, or a first eager call); then
+    torch.compile(fullgraph=True) runs it through the custom ops; unprobed, a clear error."""
+    kt.moe._PROBED.clear()
+    module = experts("gpt_oss")
+    ref = copy.deepcopy(module)
+    module.forward = kt.layers.MoEExperts.forward.__get__(module)
+    x = torch.randn(7, 32)
+    idx, w = routing(7)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="experts_supported"):
+        torch.compile(module, backend="aot_eager", fullgraph=True)(x, idx, w)
+    assert kt.moe.experts_supported(module) is None
+    torch._dynamo.reset()
+    y = torch.compile(module, backend="aot_eager", fullgraph=True)(x, idx, w)
+    assert_close(y, ref(x, idx, w), torch.float32, "output")

@@ -647,8 +647,15 @@ def _probe_clamped_gate(module: nn.Module, alpha: float, limit: float) -> tuple 
     in both column layouts. Cached per (class, alpha, limit)."""
     key = (type(module), alpha, limit)
     if key not in _PROBED:
-        gen = torch.Generator().manual_seed(0)
-        probe = torch.randn(4, 16, generator=gen, dtype=torch.float64) * (1.5 * limit + 1.0)
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"MoEExperts has not seen {type(module).__name__}'s gate yet: call "
+                "experts_supported(module) or run the model once before torch.compile"
+            )
+        # values on both sides of -limit and +limit, the two columns of a pair differing
+        span = 1.5 * limit + 1.0
+        probe = torch.linspace(-span, span, 64, dtype=torch.float64).view(4, 16)
+        probe[1::2] = probe[1::2].flip(-1)
         found = None
         try:
             with torch.no_grad():
