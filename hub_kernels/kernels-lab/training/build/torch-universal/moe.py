@@ -313,7 +313,11 @@ def _use_grouped_mm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
         ok = recent and x.dtype in (torch.float32, torch.bfloat16)
     else:
         ok = False
-    return ok and _aligned(x, w_gate_up, w_down) and x.shape[1] * x.element_size() % 16 == 0
+    # Every operand's rows ([S, H], [S, 2I], [S, I] and the weights') 16-byte aligned.
+    dims = (*w_gate_up.shape[1:], *w_down.shape[1:])
+    return (
+        ok and _aligned(x, w_gate_up, w_down) and all(d * x.element_size() % 16 == 0 for d in dims)
+    )
 
 
 def _mm_groups(a, b, offs, grouped: bool, counts):
