@@ -127,7 +127,10 @@ def bind(name: str, module, family: str):
     if name == "liger":
         if family == "gpt_oss":
             raise RuntimeError("Liger's fused MoE has no expert biases or clamped gate")
-        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+        try:
+            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+        except ImportError:  # where a release exports it from the package only
+            from liger_kernel.ops import LigerFusedMoEFunction
 
         def call(x, idx, w):
             return LigerFusedMoEFunction.apply(

@@ -146,16 +146,18 @@ def test_fp32_loop_path_matches_the_module(kt):
 def test_sentinel_ids_and_compile(kt):
     """Ids == E (expert-parallel sentinels) contribute nothing; torch.compile(fullgraph) agrees."""
     e, k, h, i, tokens = 32, 4, 1024, 512, 2048
-    ref = experts("mixtral", e, k, h, i, torch.bfloat16)
+    ref32 = experts("mixtral", e, k, h, i, torch.float32)
+    plain = experts("mixtral", e, k, h, i, torch.bfloat16)
     ours = experts("mixtral", e, k, h, i, torch.bfloat16)
     ours.forward = kt.layers.MoEExperts.forward.__get__(ours)
     x, idx, w = inputs(e, k, h, tokens, torch.bfloat16)
     idx[::5, 0] = e
     dy = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
-    want = run(ref, x, idx, w, dy)
+    want = run(ref32, x.float(), idx, w.float(), dy.float())
+    theirs = run(plain, x, idx, w, dy)
     got = run(ours, x, idx, w, dy)
-    for g, r in zip(got, want, strict=True):
-        assert rel_err(g, r) <= 1e-2
+    for g, t, r in zip(got, theirs, want, strict=True):
+        assert rel_err(g, r) <= max(1e-2, 1.5 * rel_err(t, r))
     assert not got[2][::5, 0].any()
     compiled = torch.compile(ours, fullgraph=True)
     again = run(compiled, x, idx, w, dy)

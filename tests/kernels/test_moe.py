@@ -426,3 +426,34 @@ def test_autocast_runs_the_matmuls_in_the_autocast_dtype(kt):
     assert module.gate_up_proj.grad.dtype == torch.float32
     assert_close(module.gate_up_proj.grad, wgu64.grad, torch.bfloat16, "d gate_up_proj", 4.0)
     assert_close(module.down_proj.grad, wd64.grad, torch.bfloat16, "d down_proj", 4.0)
+
+
+def test_gpt_oss_compiles_fullgraph_once_its_gate_was_probed(kt):
+    """The clamped gate is recognised eagerly (experts_supported, or a first eager call); then
+    torch.compile(fullgraph=True) runs it through the custom ops; unprobed, a clear error."""
+    kt.moe._PROBED.clear()
+    module = experts("gpt_oss")
+    ref = copy.deepcopy(module)
+    module.forward = kt.layers.MoEExperts.forward.__get__(module)
+    x = torch.randn(7, 32)
+    idx, w = routing(7)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="has not seen GptOssExperts.s gate yet"):
+        torch.compile(module, backend="aot_eager", fullgraph=True)(x, idx, w)
+    assert kt.moe.experts_supported(module) is None
+    torch._dynamo.reset()
+    y = torch.compile(module, backend="aot_eager", fullgraph=True)(x, idx, w)
+    assert_close(y, ref(x, idx, w), torch.float32, "output")
+
+
+def test_unaligned_intermediate_rows_take_the_loop(kt):
+    """Transposed weights hide the intermediate size from the weights' strides: a [S, I] operand
+    whose rows are not 16-byte aligned must still send the call to the loop over experts."""
+    x = torch.randn(8, 32, requires_grad=True)
+    w_gate_up = (torch.randn(E, 32, 20) * 0.3).requires_grad_()  # I = 10: 40-byte rows
+    w_down = (torch.randn(E, 10, 32) * 0.3).requires_grad_()
+    assert not kt.moe._use_grouped_mm(x, w_gate_up, w_down)
+    idx, w = routing(8)
+    out = kt.moe.moe_experts(x, w_gate_up, w_down, idx, w, kt.moe.SILU, True)
+    ref = reference64(leaf64(x), leaf64(w_gate_up), leaf64(w_down), idx, w.double(), "silu", True)
+    assert_close(out, ref, torch.float32, "output")

@@ -313,7 +313,11 @@ def _use_grouped_mm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
         ok = recent and x.dtype in (torch.float32, torch.bfloat16)
     else:
         ok = False
-    return ok and _aligned(x, w_gate_up, w_down) and x.shape[1] * x.element_size() % 16 == 0
+    # Every operand's rows ([S, H], [S, 2I], [S, I] and the weights') 16-byte aligned.
+    dims = (*w_gate_up.shape[1:], *w_down.shape[1:])
+    return (
+        ok and _aligned(x, w_gate_up, w_down) and all(d * x.element_size() % 16 == 0 for d in dims)
+    )
 
 
 def _mm_groups(a, b, offs, grouped: bool, counts):
@@ -647,8 +651,15 @@ def _probe_clamped_gate(module: nn.Module, alpha: float, limit: float) -> tuple 
     in both column layouts. Cached per (class, alpha, limit)."""
     key = (type(module), alpha, limit)
     if key not in _PROBED:
-        gen = torch.Generator().manual_seed(0)
-        probe = torch.randn(4, 16, generator=gen, dtype=torch.float64) * (1.5 * limit + 1.0)
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"MoEExperts has not seen {type(module).__name__}'s gate yet: call "
+                "experts_supported(module) or run the model once before torch.compile"
+            )
+        # values on both sides of -limit and +limit, the two columns of a pair differing
+        span = 1.5 * limit + 1.0
+        probe = torch.linspace(-span, span, 64, dtype=torch.float64).view(4, 16)
+        probe[1::2] = probe[1::2].flip(-1)
         found = None
         try:
             with torch.no_grad():
