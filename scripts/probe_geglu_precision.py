@@ -36,7 +36,14 @@ def build_mlp(hidden: int, inter: int, dtype: torch.dtype, device: str):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="gelu_pytorch_tanh")
+    # One head: the MLP ignores attention, but the config checks hidden % heads (341 is odd).
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        hidden_act="gelu_pytorch_tanh",
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
     mlp = LlamaMLP(cfg)
     with torch.no_grad():
         for p in mlp.parameters():
