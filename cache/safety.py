@@ -45,7 +45,7 @@ def exposure_of(path: Path, st: os.stat_result, *, sticky_ok: bool = False) -> E
     if st.st_mode & _OTHERS_WRITE:
         if sticky_ok and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX:
             return None
-        who = "group" if st.st_mode & stat.S_IWGRP else "world"
+        who = "world" if st.st_mode & stat.S_IWOTH else "group"
         return Exposure(path, f"{who}-writable (mode {stat.S_IMODE(st.st_mode):o})")
     return None
 
@@ -57,16 +57,19 @@ def check_path(path: Path, *, parents: bool = True, sticky_here: bool = False) -
     /tmp: others cannot rename or delete what this user put there); `path` itself only with
     `sticky_here`, for a folder whose entries are all checked in turn (a cache root: a tmpfs
     mount is 1777), never for one where anybody's new file would be believed."""
-    path = Path(os.path.abspath(path))
-    chain = [path, *path.parents] if parents else [path]
-    for index, item in enumerate(chain):
+    given = Path(os.path.abspath(path))
+    chain = [given, *given.parents] if parents else [given]
+    real = Path(os.path.realpath(given))
+    if real != given:  # a symlink on the way: whoever can change it or its target decides too
+        chain += [real, *real.parents] if parents else [real]
+    for item in chain:
         try:
             st = os.stat(item)
         except FileNotFoundError:
             continue
         except OSError:
             return Exposure(item, "not readable")
-        exposure = exposure_of(item, st, sticky_ok=index > 0 or sticky_here)
+        exposure = exposure_of(item, st, sticky_ok=item not in (given, real) or sticky_here)
         if exposure is not None:
             return exposure
     return None
