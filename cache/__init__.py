@@ -8,6 +8,7 @@ versioned (the `v1/` bucket) and documented in docs/cache.md.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,7 +122,8 @@ class Cache:
         A cache with an exposure proves nothing by its stamps, records or index (safety.py)."""
         found = check_path(self.root, sticky_here=True)  # the entries below are checked
         if found is None:
-            found = check_tree([self.base, *(self.base / b for b in _GUARDED)])
+            base = str(self.base)
+            found = check_tree([base, *(os.path.join(base, b) for b in _GUARDED)])
         return found
 
     def lock(self, name: str, timeout: float | None = None) -> FileLock:
