@@ -12,18 +12,26 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
-@dataclass(frozen=True)
 class Exposure:
-    """`path` can be written by a user other than this one and root; `why` says how."""
+    """`path` can be written by a user other than this one and root; `why` says how.
+    (A plain class: this module is imported on every load, and a dataclass costs more.)"""
 
-    path: Path
-    why: str
+    __slots__ = ("path", "why")
+
+    def __init__(self, path: Path, why: str):
+        self.path = path
+        self.why = why
+
+    def __repr__(self) -> str:
+        return f"Exposure({str(self.path)!r}, {self.why!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Exposure) and (self.path, self.why) == (other.path, other.why)
 
     def fix(self) -> str:
         if self.why.startswith("owned"):

@@ -20,7 +20,6 @@ from kernels.cache import (
     Cache,
     DigestMismatch,
     FileEntry,
-    LockTimeout,
     Manifest,
     ManifestError,
     check_relpath,
@@ -191,6 +190,8 @@ def fetch_object(
 def cache_lock(cache: Cache, name: str):
     """Hold the cache's inter-process lock `name`; CacheError when the cache cannot be written
     (taking a lock creates its file, so a read-only or full cache fails here, typed)."""
+    from kernels.cache import LockTimeout
+
     with _disk_errors(cache):
         cache.ensure()
         lock = cache.lock(name)
