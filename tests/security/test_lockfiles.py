@@ -63,9 +63,9 @@ def test_lock_discovery_ignores_a_strangers_lock_above(repo, shared_dir, monkeyp
     as_nobody(lambda: planted.write_text(text))
     assert planted.stat().st_uid != os.geteuid()
     monkeypatch.chdir(project)
-    with pytest.raises(LockfileError, match="no kernels.lock found"):
+    with pytest.raises(UnsafePermissions, match="world-writable"):  # seen, named, not used
         find_lockfile()
-    with pytest.raises(LockfileError):
+    with pytest.raises(UnsafePermissions):
         get_locked_kernel(GOOD)
     with pytest.raises(UnsafePermissions, match="owned by uid"):  # named explicitly: still not
         get_locked_kernel(GOOD, lockfile=planted)
