@@ -8,11 +8,12 @@ versioned (the `v1/` bucket) and documented in docs/cache.md.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .fsutil import atomic_write_bytes, is_writable_dir, make_dirs
-from .locks import FileLock, LockTimeout
 from .manifest import FileEntry, Manifest, ManifestError, check_relpath
 from .objects import DigestMismatch, ObjectStore, ObjectWriter
 from .records import RecordStore, RepoIndex, ResolutionRecord, TrustRecord
@@ -20,7 +21,20 @@ from .safety import Exposure, check_path, check_tree
 from .staging import Staging
 from .trees import TreeCheck, TreeStore
 
+if TYPE_CHECKING:
+    from .locks import FileLock
+
 FORMAT_VERSION = 1
+
+
+def __getattr__(name: str):
+    # Locks are imported where one is taken: a warm load takes none.
+    if name in ("FileLock", "LockTimeout"):
+        from . import locks
+
+        return getattr(locks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_VERSION",
@@ -121,7 +135,8 @@ class Cache:
         A cache with an exposure proves nothing by its stamps, records or index (safety.py)."""
         found = check_path(self.root, sticky_here=True)  # the entries below are checked
         if found is None:
-            found = check_tree([self.base, *(self.base / b for b in _GUARDED)])
+            base = str(self.base)
+            found = check_tree([base, *(os.path.join(base, b) for b in _GUARDED)])
         return found
 
     def lock(self, name: str, timeout: float | None = None) -> FileLock:
@@ -129,6 +144,7 @@ class Cache:
         It holds the `gc` lock shared, so `prune` cannot run under it; its wait ends at
         `timeout` (default: the cache's lock_timeout) with LockTimeout naming the holder."""
         from .fsutil import safe_key
+        from .locks import FileLock
 
         return FileLock(
             self.locks / f"{safe_key(name)}.lock",
@@ -139,6 +155,8 @@ class Cache:
 
     def gc_lock(self) -> FileLock:
         """The lock `prune` holds: exclusive, so it waits for every write lock to be released."""
+        from .locks import FileLock
+
         return FileLock(
             self.locks / "gc.lock", timeout=self.lock_timeout, on_wait=self.on_lock_wait
         )

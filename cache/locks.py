@@ -18,7 +18,6 @@ import contextlib
 import errno
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,13 +52,19 @@ def describe_holder(raw: bytes) -> str:
     except (ValueError, KeyError, TypeError):
         return "another process (it did not say which)"
     text = f"pid {pid} on {host}, for {max(0.0, time.time() - since):.0f} s"
-    if host == socket.gethostname():
+    if host == _hostname():
         state = _process_state(pid)
         if state == "T":
             text += " (stopped: it was sent SIGSTOP or is being debugged)"
         elif state == "Z":
             text += " (a zombie)"
     return text
+
+
+def _hostname() -> str:
+    import socket  # only where a lock is taken or waited for: warm loads take none
+
+    return socket.gethostname()
 
 
 def _process_state(pid: int) -> str | None:
@@ -153,7 +158,7 @@ class FileLock:
         self._fd = fd
         self._held = True
         if not self.shared:
-            record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+            record = {"pid": os.getpid(), "host": _hostname(), "since": time.time()}
             with contextlib.suppress(OSError):  # a read-only fd: the lock still holds
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(record).encode(), 0)

@@ -12,18 +12,26 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
-@dataclass(frozen=True)
 class Exposure:
-    """`path` can be written by a user other than this one and root; `why` says how."""
+    """`path` can be written by a user other than this one and root; `why` says how.
+    (A plain class: this module is imported on every load, and a dataclass costs more.)"""
 
-    path: Path
-    why: str
+    __slots__ = ("path", "why")
+
+    def __init__(self, path: Path, why: str):
+        self.path = path
+        self.why = why
+
+    def __repr__(self) -> str:
+        return f"Exposure({str(self.path)!r}, {self.why!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Exposure) and (self.path, self.why) == (other.path, other.why)
 
     def fix(self) -> str:
         if self.why.startswith("owned"):
@@ -36,43 +44,69 @@ def trusted_owners() -> frozenset[int]:
     return frozenset({os.geteuid(), 0})
 
 
-def exposure_of(path: Path, st: os.stat_result, *, sticky_ok: bool = False) -> Exposure | None:
+def exposure_of(
+    path: Path | str, st: os.stat_result, *, sticky_ok: bool = False
+) -> Exposure | None:
     """Why the file or folder `path` (with stat `st`) is writable by others, or None."""
     if os.name == "nt":  # no POSIX owners; ACLs are out of scope
         return None
     if st.st_uid not in trusted_owners():
-        return Exposure(path, f"owned by uid {st.st_uid}")
+        return Exposure(Path(path), f"owned by uid {st.st_uid}")
     if st.st_mode & _OTHERS_WRITE:
         if sticky_ok and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX:
             return None
-        who = "group" if st.st_mode & stat.S_IWGRP else "world"
-        return Exposure(path, f"{who}-writable (mode {stat.S_IMODE(st.st_mode):o})")
+        who = "world" if st.st_mode & stat.S_IWOTH else "group"
+        return Exposure(Path(path), f"{who}-writable (mode {stat.S_IMODE(st.st_mode):o})")
     return None
 
 
-def check_path(path: Path, *, parents: bool = True, sticky_here: bool = False) -> Exposure | None:
+def _with_parents(path: str) -> list[str]:
+    out = [path]
+    while (parent := os.path.dirname(out[-1])) != out[-1]:
+        out.append(parent)
+    return out
+
+
+def check_path(
+    path: Path | str, *, parents: bool = True, sticky_here: bool = False
+) -> Exposure | None:
     """The first exposure of `path` or (when `parents`) of a folder above it; None when only
     this user and root can change it. A missing `path` is judged by its nearest existing folder,
     since whoever can write that folder can create it. Folders above `path` may be sticky (like
     /tmp: others cannot rename or delete what this user put there); `path` itself only with
     `sticky_here`, for a folder whose entries are all checked in turn (a cache root: a tmpfs
-    mount is 1777), never for one where anybody's new file would be believed."""
-    path = Path(os.path.abspath(path))
-    chain = [path, *path.parents] if parents else [path]
+    mount is 1777), never for one where anybody's new file would be believed. A symlink on the
+    way is judged by its own folders and by its target's.
+
+    Plain strings and os calls: this runs on every load that reaches the disk."""
+    given = os.path.abspath(path)
+    found, linked = _check_chain(_with_parents(given) if parents else [given], sticky_here)
+    if found is None and linked:  # a symlink on the way: its target's folders decide too
+        real = os.path.realpath(given)
+        found, _ = _check_chain(_with_parents(real) if parents else [real], sticky_here)
+    return found
+
+
+def _check_chain(chain: list[str], sticky_here: bool) -> tuple[Exposure | None, bool]:
+    """(the first exposure in `chain`, whether a symlink was met); chain[0] is the path."""
+    linked = False
     for index, item in enumerate(chain):
         try:
-            st = os.stat(item)
+            st = os.lstat(item)
         except FileNotFoundError:
             continue
         except OSError:
-            return Exposure(item, "not readable")
-        exposure = exposure_of(item, st, sticky_ok=index > 0 or sticky_here)
+            return Exposure(Path(item), "not readable"), linked
+        if stat.S_ISLNK(st.st_mode):
+            linked = True  # a link's own mode means nothing; its folder is the next item
+            continue
+        exposure = exposure_of(item, st, sticky_ok=sticky_here or index > 0)
         if exposure is not None:
-            return exposure
-    return None
+            return exposure, linked
+    return None, linked
 
 
-def check_tree(paths: list[Path]) -> Exposure | None:
+def check_tree(paths: list[Path] | list[str]) -> Exposure | None:
     """The first of `paths` (each a folder or file inside a checked root) others can write."""
     for item in paths:
         try:
@@ -80,7 +114,7 @@ def check_tree(paths: list[Path]) -> Exposure | None:
         except FileNotFoundError:
             continue
         except OSError:
-            return Exposure(item, "not readable")
+            return Exposure(Path(item), "not readable")
         exposure = exposure_of(item, st)
         if exposure is not None:
             return exposure

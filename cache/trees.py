@@ -96,20 +96,23 @@ class TreeStore:
         stamps = stamps if isinstance(stamps, dict) else {}
         bad: list[str] = []
         rehashed = 0
-        folders = {tree / entry.path for entry in manifest.files}
-        folders = {p for f in folders for p in f.parents if tree in p.parents or p == tree}
+        # The tree's folders, as paths relative to it ("" is the tree itself).
+        folders = {""}
+        for entry in manifest.files:
+            parts = entry.path.split("/")[:-1]
+            folders.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+        root = str(tree)
         for folder in folders:
+            where = os.path.join(root, folder) if folder else root
             try:
-                if exposure_of(folder, folder.lstat()) is not None:
-                    bad.append(
-                        f"{folder.relative_to(tree).as_posix() or '.'}/ (writable by others)"
-                    )
+                if exposure_of(where, os.lstat(where)) is not None:
+                    bad.append(f"{folder or '.'}/ (writable by others)")
             except OSError:
                 pass  # a missing folder shows as missing files below
         for entry in manifest.files:
-            path = tree / entry.path
+            path = os.path.join(root, entry.path)
             try:
-                st = path.lstat()
+                st = os.lstat(path)
             except OSError:
                 bad.append(entry.path)
                 continue

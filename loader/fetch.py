@@ -17,15 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.cache import (
-    Cache,
-    DigestMismatch,
-    FileEntry,
-    LockTimeout,
-    Manifest,
-    ManifestError,
-    check_relpath,
-)
+from kernels.cache import Cache, DigestMismatch, FileEntry, Manifest, ManifestError, check_relpath
 
 from . import hub
 from .errors import (
@@ -220,8 +212,11 @@ def fetch_object(
 
 @contextlib.contextmanager
 def cache_lock(cache: Cache, name: str):
-    """Hold the cache's inter-process lock `name`; CacheError when the cache cannot be written
-    (taking a lock creates its file, so a read-only or full cache fails here, typed)."""
+    """Hold the cache's inter-process lock `name`: CacheError when the disk fails (e.g. full),
+    LockWaitTimeout naming the holder past KERNELS_LOCK_TIMEOUT. A cache this process cannot
+    write takes no lock (kernels.cache.locks); a write through it fails later, typed."""
+    from kernels.cache import LockTimeout
+
     with _disk_errors(cache):
         cache.ensure()
         lock = cache.lock(name)

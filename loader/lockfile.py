@@ -14,8 +14,9 @@ Dependencies come from pyproject.toml: `[tool.kernels.dependencies] "org/name" =
 version) or `= "<revision>"`.
 
 A lock decides which code runs, so it must be the user's: a lock file (or a folder above it)
-that other users can write is refused, and discovery never walks into such a folder (a shared
-/tmp-like parent cannot plant a kernels.lock). A schema-1 entry must carry file digests: an entry
+that other users can write is refused, and discovery stops at the first folder others can write
+(a kernels.lock found in it is refused, never used; nothing above it is looked at), so a shared
+/tmp-like parent cannot plant one. A schema-1 entry must carry file digests: an entry
 or variant with none would verify nothing. `refs/pr/<N>` revisions need
 KERNELS_ALLOW_PR_REVISIONS=1 here as everywhere (see resolve.py).
 """
@@ -244,9 +245,16 @@ def find_lockfile(explicit: Path | str | None = None, start: Path | None = None)
 
     here = Path(start or os.getcwd()).resolve()
     for folder in (here, *here.parents):
-        if check_path(folder, parents=False) is not None:
-            break  # others can write here: a kernels.lock in it (or above) may be theirs
         candidate = folder / LOCK_NAME
+        exposure = check_path(folder, parents=False)
+        if exposure is not None:
+            # Others can write here: a kernels.lock in it may be theirs (say so, use none), and
+            # one above it is no longer this project's.
+            if candidate.is_file():
+                from .guard import unsafe
+
+                raise unsafe(exposure, f"the lock file {candidate}")
+            break
         if candidate.is_file():
             return candidate
         if (folder / "pyproject.toml").is_file():

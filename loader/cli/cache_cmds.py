@@ -7,8 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from kernels.cache import LockTimeout
-
 from .common import human_size
 
 
@@ -226,6 +224,8 @@ def run_prune(args: argparse.Namespace) -> int:
     cache = _cache()
     # Installed variants stay indexed, so a tree that a lock pins or a process imported is never
     # an orphan; the lock's trees are passed explicitly as a second guard.
+    from kernels.cache import LockTimeout
+
     keep = _locked_trees(cache, args.lockfile)
     try:
         report = cache.prune(keep_trees=keep, dry_run=args.dry_run)

@@ -155,3 +155,27 @@ def test_a_config_file_others_can_write_is_refused(hub, tmp_path, monkeypatch):
     config.chmod(0o644)  # the positive control: the user's own config decides
     assert kernels.get_kernel(EVIL, version=1).VALUE == 1
     assert marker.exists()
+
+
+def test_an_in_place_same_size_edit_with_its_mtime_restored_is_caught_by_stamps(hub, tmp_path):
+    """The owner's own tools (an editor, `cp -p`, rsync) can keep size, inode and mtime; the
+    stamp's ctime still moves, so `kernels verify` (stamps) and the next load see the edit."""
+    hub.trust("good-org")
+    hub.writer(GOOD).commit(marker_files("kernel", tmp_path / "ran"), branch="v1")
+    kernels.install_kernel(GOOD, version=1)
+    store = Cache(os.environ["KERNELS_CACHE"])
+    [(_r, _c, _v, digest)] = list(store.index.entries())
+    target = store.trees.path(digest) / "__init__.py"
+    before = target.stat()
+    data = target.read_bytes().replace(b"VALUE = 1", b"VALUE = 7")
+    target.chmod(0o644)
+    with open(target, "r+b") as fh:  # same inode, same size
+        fh.write(data)
+    target.chmod(before.st_mode)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = target.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns)  # fmt: skip
+    verify = subprocess.run(cli_argv("verify"), capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 1 and "CORRUPT good-org/kernel" in verify.stdout, verify.stdout
+    assert _load(GOOD).stdout.strip() == "1"  # the load re-hashed, and fetched a clean copy

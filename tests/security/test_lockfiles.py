@@ -63,9 +63,9 @@ def test_lock_discovery_ignores_a_strangers_lock_above(repo, shared_dir, monkeyp
     as_nobody(lambda: planted.write_text(text))
     assert planted.stat().st_uid != os.geteuid()
     monkeypatch.chdir(project)
-    with pytest.raises(LockfileError, match="no kernels.lock found"):
+    with pytest.raises(UnsafePermissions, match="world-writable"):  # seen, named, not used
         find_lockfile()
-    with pytest.raises(LockfileError):
+    with pytest.raises(UnsafePermissions):
         get_locked_kernel(GOOD)
     with pytest.raises(UnsafePermissions, match="owned by uid"):  # named explicitly: still not
         get_locked_kernel(GOOD, lockfile=planted)
@@ -111,3 +111,14 @@ def test_a_lock_without_digests_is_not_verified(repo, tmp_path, variants):
     assert_user_error(out, "no file digests")
     assert "verified" not in out.stdout
     assert not Path(tmp_path / "v1-ran").exists()
+
+
+def test_sync_of_a_commit_only_lock_does_not_claim_verification(repo, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    reference = [{"dependency": {"repo-id": GOOD, "version": 1}, "lock": {"commit": repo["v1"]}}]
+    (project / "kernels.lock").write_text(json.dumps(reference))
+    out = subprocess.run(cli_argv("sync", str(project)), capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "commit pinned only" in out.stdout and "verified" not in out.stdout
