@@ -95,6 +95,8 @@ class Plan:
             if not use.verdict.layer:
                 reasons["rotary"] = use.verdict.reason
                 _set_reasons(use.owner, reasons)
+                if isinstance(use.function, KernelFunction):
+                    type(use.function).kernel_condition = staticmethod(_never)
                 continue
             reasons.pop("rotary", None)
             _set_reasons(use.owner, reasons)
@@ -102,6 +104,9 @@ class Plan:
             if not isinstance(func, KernelFunction):
                 func = make_function_module(func, use.verdict.layer, None)
                 use.namespace[use.name] = func  # same result unbound; bindable per caller
+            else:
+                # transformers' name may promise another layout than the function computes
+                type(func).kernel_layer_name = use.verdict.layer
             _attach(use.owner, func, model)
 
 
@@ -127,7 +132,8 @@ def _attach(owner: type, func: KernelFunction, model: nn.Module | None) -> None:
 
         def __init__(self, *args, **kwargs):  # noqa: N807
             original_init(self, *args, **kwargs)
-            self.__dict__.setdefault("_kernel_funcs", {}).update(owner.__dict__[_ATTACHED])
+            for name, fn in owner.__dict__[_ATTACHED].items():
+                _list_function(self, name, fn)
 
         __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
         owner.__init__ = __init__
@@ -136,7 +142,13 @@ def _attach(owner: type, func: KernelFunction, model: nn.Module | None) -> None:
     if model is not None:
         for module in model.modules():
             if type(module) is owner:
-                module.__dict__.setdefault("_kernel_funcs", {})[key] = func
+                _list_function(module, key, func)
+
+
+def _list_function(module: nn.Module, key: str, func: KernelFunction) -> None:
+    funcs = module.__dict__.setdefault("_kernel_funcs", {})
+    if all(f is not func for f in funcs.values()):  # listed once, whatever its key
+        funcs[key] = func
 
 
 # -- per kind ---------------------------------------------------------------------------------
@@ -335,8 +347,8 @@ def rotary_uses(cls: type, available: Callable[[str], str | None]) -> list[Rotar
         if fn is None:
             continue
         plain = fn.__dict__.get("__wrapped__", fn) if isinstance(fn, KernelFunction) else fn
-        layer = fn.kernel_layer_name if isinstance(fn, KernelFunction) else "rotary_pos_emb"
-        reason = probes.probe_rotary(plain) or available("rotary_pos_emb")
+        layer, reason = probes.probe_rotary(plain)
+        reason = reason or available(layer)
         verdict = Verdict("rotary", None, reason) if reason else Verdict("rotary", layer)
         uses.append(RotaryUse(cls, name, namespace, fn, verdict))
     return uses

@@ -22,12 +22,12 @@ REPRESENTATIVES = {
     "llama": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
     # Gemma 2: (1 + weight) fp32 norm, GeGLU, final logit soft-capping
     "gemma2": {"GemmaRMSNorm", "GeGLUMLP", "rotary_pos_emb", "ForCausalLM"},
-    # Phi-3: fused gate_up_proj, an undecorated rotary function
-    "phi3": {"RMSNorm", "FusedSwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
+    # GLM-4: fused gate_up_proj, an undecorated partial interleaved rotary function
+    "glm4": {"RMSNorm", "FusedSwiGLUMLP", "half_interleaved_rotary_pos_emb", "ForCausalLM"},
     # OLMo 2: the weight multiplies in fp32; q/k norms over the whole projection
     "olmo2": {"RMSNormFloatWeight", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
-    # Cohere: LayerNorm without bias, logit_scale
-    "cohere": {"LayerNorm", "SwiGLUMLP", "ForCausalLM"},
+    # Cohere: LayerNorm without bias, interleaved rotary (cos repeated per pair), logit_scale
+    "cohere": {"LayerNorm", "SwiGLUMLP", "interleaved_rotary_pos_emb", "ForCausalLM"},
     # Granite: logits_scaling
     "granite": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
     # StableLM: partial rotary (25 % of the head), LayerNorm with bias
@@ -54,10 +54,12 @@ def test_representative_model_types_bind_and_match(mirror, model_type):
 
 
 def test_unserved_modules_are_named_with_their_reason(mirror):
-    """Cohere's rotary is interleaved and Mixtral's experts have no kernel in this build: both
-    keep their forward and the report says why (the rest of the model still binds)."""
-    cohere, mixtral = run_one("cohere"), run_one("mixtral")
-    assert any(u.startswith("rotary: not the rotate-half layout") for u in cohere.unbound)
+    """GPT-J's rotary function has its own signature, its MLP is not gated, and Mixtral's
+    experts have no kernel in this build: each keeps its forward and the report says why (the
+    rest of the model still binds)."""
+    gptj, mixtral = run_one("gptj"), run_one("mixtral")
+    assert any(u.startswith("rotary: takes (tensor, sin, cos)") for u in gptj.unbound)
+    assert any(u.startswith("mlp: not gated") for u in gptj.unbound)
     assert "experts: no experts kernel in this build" in mixtral.unbound
 
 
