@@ -92,7 +92,12 @@ def _shrink(config) -> None:
                 setattr(config, key, value)
         except Exception:  # noqa: BLE001, S110 - a per-layer or derived attribute: leave it
             pass
-    for key, value in (("n_group", 1), ("topk_group", 1), ("num_experts_per_tok", 2)):
+    for key, value in (
+        ("n_group", 1),
+        ("topk_group", 1),
+        ("num_experts_per_tok", 2),
+        ("head_dim", HEAD_DIM),
+    ):
         if hasattr(config, key):  # set even where the default is None (grouped MoE routing)
             setattr(config, key, value)
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
