@@ -100,6 +100,8 @@ def _shrink(config) -> None:
     ):
         if hasattr(config, key):  # set even where the default is None (grouped MoE routing)
             setattr(config, key, value)
+    if hasattr(config, "logits_scaling"):
+        config.logits_scaling = 4.0  # granite's default is 1.0: a scale the sweep would not see
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = HEADS  # latent attention expands k/v to every head
     layers = getattr(config, "num_hidden_layers", None)
