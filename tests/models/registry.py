@@ -124,6 +124,8 @@ def _shrink(config) -> None:
         "router_aux_loss_coef",
         "ffn_dropout",
         "classifier_dropout",
+        "router_jitter_noise",
+        "input_jitter_noise",
     ):
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)  # training must be deterministic to compare
@@ -176,6 +178,7 @@ def train_steps(model, batches, steps: int = 3) -> list[tuple[float, float]]:
     """(loss, grad norm) of each AdamW step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
+    torch.manual_seed(0)  # whatever a model draws in training, both copies draw the same
     out = []
     for ids in batches[:steps]:
         loss = model(input_ids=ids, labels=ids).loss
