@@ -147,8 +147,13 @@ def causal_lm_class(model_type: str):
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
-def build(model_type: str, seed: int = 0):
+def build(model_type: str, seed: int = 0, overrides: dict | None = None):
     config = tiny_config(model_type)
+    for key, value in (overrides or {}).items():
+        if key == "rope_parameters":
+            config.rope_parameters = {**(config.rope_parameters or {}), **value}
+        else:
+            setattr(config, key, value)
     cls = causal_lm_class(model_type)
     text = getattr(config, "text_config", None)
     if not isinstance(config, cls.config_class) and isinstance(text, cls.config_class):
@@ -196,13 +201,20 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
-def run_one(model_type: str, *, device: str = "cpu", dtype=torch.float32, repo=None) -> Outcome:
+def run_one(
+    model_type: str,
+    *,
+    device: str = "cpu",
+    dtype=torch.float32,
+    repo=None,
+    overrides: dict | None = None,
+) -> Outcome:
     """Build the tiny model, train a plain copy and a kernelized copy 3 steps, compare."""
     import kernels
 
     start = time.perf_counter()
     try:
-        plain = build(model_type).to(device=device, dtype=dtype)
+        plain = build(model_type, overrides=overrides).to(device=device, dtype=dtype)
         ours = copy.deepcopy(plain)
         gen = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, VOCAB, (2, 16), generator=gen).to(device) for _ in range(3)]

@@ -33,7 +33,7 @@ REPRESENTATIVES = {
     "cohere": {"LayerNorm", "SwiGLUMLP", "interleaved_rotary_pos_emb", "ForCausalLM"},
     # Granite: logits_scaling
     "granite": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
-    # StableLM: partial rotary (25 % of the head), LayerNorm with bias
+    # StableLM: LayerNorm with bias; partial rotary split off by the attention module
     "stablelm": {"LayerNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
     # Mixtral: the MoE head (output_router_logits)
     "mixtral": {"RMSNorm", "rotary_pos_emb", "MoEForCausalLM"},
@@ -54,6 +54,14 @@ def test_representative_model_types_bind_and_match(mirror, model_type):
     assert outcome.status == "match", outcome
     missing = REPRESENTATIVES[model_type] - set(outcome.bound)
     assert not missing, f"{model_type}: {sorted(missing)} not bound: {outcome.unbound}"
+
+
+def test_partial_rotary_inside_the_rotary_function(mirror):
+    """Phi-3 with partial_rotary_factor 0.5: its apply_rotary_pos_emb rotates the first half of
+    each head and passes the rest; the bound layer must do the same."""
+    outcome = run_one("phi3", overrides={"rope_parameters": {"partial_rotary_factor": 0.5}})
+    assert outcome.status == "match", outcome
+    assert {"rotary_pos_emb", "FusedSwiGLUMLP"} <= set(outcome.bound), outcome
 
 
 def test_unserved_modules_are_named_with_their_reason(mirror):
