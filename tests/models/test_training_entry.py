@@ -99,10 +99,8 @@ def test_liger_mapping_for_mixtral_no_longer_refused(monkeypatch):
 def test_moe_head_falls_back_to_the_family_forward_for_router_logits(mirror):
     """With output_router_logits=True the family adds the load-balancing loss; the MoE head
     then runs the family's own forward, so the loss still matches."""
-    plain = build("mixtral")
-    plain.config.output_router_logits = True
-    ours = build("mixtral")
-    ours.config.output_router_logits = True
+    router = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    plain, ours = build("mixtral", overrides=router), build("mixtral", overrides=router)
     ours.load_state_dict(plain.state_dict())
     report = kernels.apply_training_kernels(ours)
     assert any(e.layer_name == "MoEForCausalLM" and e.status == "bound" for e in report)
