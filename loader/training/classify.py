@@ -42,6 +42,8 @@ class Verdict:
     layer: str | None
     reason: str = ""
     condition: Callable[[nn.Module], bool] | None = None
+    # class attributes the layer reads (the loss head's logit scaling ops)
+    attributes: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class Plan:
             reasons = dict(cls.__dict__.get(UNSERVED) or {})
             if verdict.layer:
                 replace_kernel_forward_from_hub(cls, verdict.layer, verdict.condition)
+                for name, value in verdict.attributes:
+                    setattr(cls, name, value)
                 reasons.pop(verdict.kind, None)
             else:
                 reasons[verdict.kind] = verdict.reason
@@ -266,7 +270,7 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         return Verdict("loss", None, "its forward's source cannot be read")
     if "self.loss_function(" not in source:
         return Verdict("loss", None, "computes its loss without self.loss_function")
-    problem = _logits_problem(model, source)
+    problem, ops = _logits_problem(model, source)
     if problem:
         return Verdict("loss", None, problem)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -286,16 +290,24 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         return Verdict("loss", None, "its forward takes no labels")
     layer = ("MoEForCausalLM" if moe else "ForCausalLM") if llama_style else "CausalLMHead"
     missing = available(layer)
-    return Verdict("loss", None, missing) if missing else Verdict("loss", layer)
+    if missing:
+        return Verdict("loss", None, missing)
+    return Verdict("loss", layer, attributes=((LOGIT_OPS, ops),))
 
 
-def _logits_problem(model: nn.Module, source: str) -> str:
-    """Why the loss layers cannot reproduce what the forward does to lm_head's output ("" if
-    they can: nothing, a soft-cap, a scale, a cast to fp32)."""
+# The loss layers read this class attribute: how the forward scales lm_head's output, as
+# ((holder "model" | "config", attribute, "*" | "/"), ...) in the forward's order.
+LOGIT_OPS = "kernels_logit_ops"
+_SCALE_OP = re.compile(r"([*/]) ?self\.(config\.)?(logit_scale|logits_scaling)\b")
+
+
+def _logits_problem(model: nn.Module, source: str) -> tuple[str, tuple]:
+    """(why the loss layers cannot reproduce what the forward does to lm_head's output, "" if
+    they can: nothing, a soft-cap, a scale, a cast to fp32; the scaling ops it applies)."""
     lines = [line.split("#")[0].rstrip() for line in source.splitlines()]
     calls = [i for i, line in enumerate(lines) if "self.lm_head(" in line]
     if len(calls) != 1:
-        return f"calls self.lm_head {len(calls)} times in its forward"
+        return f"calls self.lm_head {len(calls)} times in its forward", ()
     start = calls[0]
     end = next(
         (
@@ -306,10 +318,10 @@ def _logits_problem(model: nn.Module, source: str) -> str:
         None,
     )
     if end is None:
-        return "no loss computed after `self.lm_head(...)`"
+        return "no loss computed after `self.lm_head(...)`", ()
     for line in lines[start:end]:
         if line.strip() and not _HEAD_LINE_OK.match(line):
-            return f"post-processes its logits with `{line.strip()}`"
+            return f"post-processes its logits with `{line.strip()}`", ()
     body = "\n".join(lines[start:end])
     config = getattr(model, "config", None)
     for attr, holder in (
@@ -319,10 +331,14 @@ def _logits_problem(model: nn.Module, source: str) -> str:
     ):
         value = getattr(holder, attr, None)
         if value is not None and not isinstance(value, (int, float)):
-            return f"its {attr} is a {type(value).__name__}, not a number"
+            return f"its {attr} is a {type(value).__name__}, not a number", ()
         if value not in (None, 1, 1.0) and attr not in body:
-            return f"has {attr} but its forward does not apply it"
-    return ""
+            return f"has {attr} but its forward does not apply it", ()
+    ops = tuple(
+        ("config" if on_config else "model", attr, op)
+        for op, on_config, attr in _SCALE_OP.findall(body)
+    )
+    return "", ops
 
 
 def is_norm(module: nn.Module) -> bool:

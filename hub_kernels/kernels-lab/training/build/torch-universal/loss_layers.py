@@ -246,12 +246,20 @@ def _cache_arg(model_cls: type) -> str:
 
 
 def logit_scale(model: nn.Module) -> float:
-    """The factor a family's forward applies to ``lm_head``'s output: Cohere multiplies by
-    ``self.logit_scale``, Granite divides by ``config.logits_scaling``; 1.0 for the rest."""
-    scale = getattr(model, "logit_scale", None)
-    scale = 1.0 if scale is None else float(scale)
-    divisor = getattr(model.config, "logits_scaling", None)
-    return scale if divisor is None else scale / float(divisor)
+    """The factor a family's forward applies to ``lm_head``'s output. The loader's structure
+    probe reads it from the forward and sets ``kernels_logit_ops`` on the class: (holder,
+    attribute, "*" or "/") in order (Cohere multiplies by ``self.logit_scale``, Granite divides
+    by ``config.logits_scaling``, HyperCLOVA X multiplies by it). Without that attribute:
+    Cohere's and Granite's conventions."""
+    ops = getattr(model, "kernels_logit_ops", None)
+    if ops is None:
+        ops = (("model", "logit_scale", "*"), ("config", "logits_scaling", "/"))
+    scale = 1.0
+    for holder, attr, op in ops:
+        value = getattr(model if holder == "model" else model.config, attr, None)
+        if value is not None:
+            scale = scale * float(value) if op == "*" else scale / float(value)
+    return scale
 
 
 def _head_logits(
