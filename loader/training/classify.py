@@ -245,9 +245,9 @@ def experts_verdict(
 _HEAD_LINE_OK = re.compile(
     r"^\s*("
     r"if .*(softcap|scal).*:|else:"
-    r"|\w+ = self\.lm_head\(.*\)"  # the call itself
+    r"|\w+ = self\.\w+\(.*\)"  # the call itself
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
-    r"|\w+ = (\w+|self\.lm_head\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
+    r"|\w+ = (\w+|self\.\w+\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
     r")\s*$"
 )
@@ -258,11 +258,14 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     arguments; CausalLMHead for any other forward that ends in ``self.lm_head(hidden)`` and
     ``self.loss_function``. Either way the logits may only be soft-capped or scaled."""
     cls = type(model)
-    head = getattr(model, "lm_head", None)
-    # the fused loss reads lm_head.weight/bias: a head with its own forward (a per-token scale,
-    # a LoRA wrapper, a quantized matmul) must run it
+    head_path = _output_head_path(model)
+    if head_path is None:
+        return Verdict("loss", None, "no output embedding (lm_head) among its modules")
+    head = model.get_submodule(head_path)
+    # the fused loss reads the head's weight/bias: a head with its own forward (a per-token
+    # scale, a LoRA wrapper, a quantized matmul) must run it
     if not (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward):
-        return Verdict("loss", None, "lm_head is not a plain nn.Linear")
+        return Verdict("loss", None, f"{head_path} is not a plain nn.Linear")
     forward = inspect.unwrap(cls.forward)
     try:
         source = inspect.getsource(forward)
@@ -270,7 +273,8 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         return Verdict("loss", None, "its forward's source cannot be read")
     if "self.loss_function(" not in source:
         return Verdict("loss", None, "computes its loss without self.loss_function")
-    problem, ops = _logits_problem(model, source)
+    top = head_path.split(".")[0]
+    problem, ops = _logits_problem(model, source, top)
     if problem:
         return Verdict("loss", None, problem)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -278,7 +282,8 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     moe = "output_router_logits" in names
     plain = tuple(n for n in names[:-1] if n != "output_router_logits")
     llama_style = (
-        isinstance(getattr(model, "model", None), nn.Module)
+        head_path == "lm_head"
+        and isinstance(getattr(model, "model", None), nn.Module)
         and plain == HEAD_ARGS
         and bool(params)
         and params[-1].kind is params[-1].VAR_KEYWORD
@@ -292,22 +297,39 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     missing = available(layer)
     if missing:
         return Verdict("loss", None, missing)
-    return Verdict("loss", layer, attributes=((LOGIT_OPS, ops),))
+    return Verdict("loss", layer, attributes=((LOGIT_OPS, ops), (OUTPUT_HEAD, head_path)))
+
+
+def _output_head_path(model: nn.Module) -> str | None:
+    """Where the logits' Linear sits: transformers' get_output_embeddings(), else lm_head."""
+    head = None
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            head = getter()
+        except (AttributeError, NotImplementedError, TypeError):
+            head = None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    if head is None:
+        return None
+    return next((path for path, m in model.named_modules() if m is head and path), None)
 
 
 # The loss layers read this class attribute: how the forward scales lm_head's output, as
 # ((holder "model" | "config", attribute, "*" | "/"), ...) in the forward's order.
 LOGIT_OPS = "kernels_logit_ops"
+OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
 _SCALE_OP = re.compile(r"([*/]) ?self\.(config\.)?(logit_scale|logits_scaling)\b")
 
 
-def _logits_problem(model: nn.Module, source: str) -> tuple[str, tuple]:
+def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tuple[str, tuple]:
     """(why the loss layers cannot reproduce what the forward does to lm_head's output, "" if
     they can: nothing, a soft-cap, a scale, a cast to fp32; the scaling ops it applies)."""
     lines = [line.split("#")[0].rstrip() for line in source.splitlines()]
-    calls = [i for i, line in enumerate(lines) if "self.lm_head(" in line]
+    calls = [i for i, line in enumerate(lines) if f"self.{top}(" in line]
     if len(calls) != 1:
-        return f"calls self.lm_head {len(calls)} times in its forward", ()
+        return f"calls self.{top} {len(calls)} times in its forward", ()
     start = calls[0]
     end = next(
         (
@@ -318,7 +340,7 @@ def _logits_problem(model: nn.Module, source: str) -> tuple[str, tuple]:
         None,
     )
     if end is None:
-        return "no loss computed after `self.lm_head(...)`", ()
+        return f"no loss computed after `self.{top}(...)`", ()
     for line in lines[start:end]:
         if line.strip() and not _HEAD_LINE_OK.match(line):
             return f"post-processes its logits with `{line.strip()}`", ()
