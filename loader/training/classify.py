@@ -271,8 +271,15 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         source = inspect.getsource(forward)
     except (OSError, TypeError):
         return Verdict("loss", None, "its forward's source cannot be read")
-    if "self.loss_function(" not in source:
-        return Verdict("loss", None, "computes its loss without self.loss_function")
+    # transformers' causal loss (labels shifted inside), or nn.CrossEntropyLoss over labels
+    # the caller already shifted (BART-style decoders): the fused loss does either
+    unshifted = "self.loss_function(" not in source
+    if unshifted and not _PLAIN_CE.search(source):
+        return Verdict(
+            "loss",
+            None,
+            "computes its loss neither with self.loss_function nor a plain CrossEntropyLoss",
+        )
     top = head_path.split(".")[0]
     problem, ops = _logits_problem(model, source, top)
     if problem:
@@ -291,13 +298,15 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     )
     if "aux_loss" in source and not (llama_style and moe):
         return Verdict("loss", None, "adds an auxiliary loss the fused loss does not compute")
+    llama_style = llama_style and not unshifted
     if "labels" not in names:
         return Verdict("loss", None, "its forward takes no labels")
     layer = ("MoEForCausalLM" if moe else "ForCausalLM") if llama_style else "CausalLMHead"
     missing = available(layer)
     if missing:
         return Verdict("loss", None, missing)
-    return Verdict("loss", layer, attributes=((LOGIT_OPS, ops), (OUTPUT_HEAD, head_path)))
+    attributes = ((LOGIT_OPS, ops), (OUTPUT_HEAD, head_path), (SHIFT_LABELS, not unshifted))
+    return Verdict("loss", layer, attributes=attributes)
 
 
 def _output_head_path(model: nn.Module) -> str | None:
@@ -320,6 +329,11 @@ def _output_head_path(model: nn.Module) -> str | None:
 # ((holder "model" | "config", attribute, "*" | "/"), ...) in the forward's order.
 LOGIT_OPS = "kernels_logit_ops"
 OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
+SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
+_PLAIN_CE = re.compile(
+    r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
+    r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
+)
 _SCALE_OP = re.compile(r"([*/]) ?self\.(config\.)?(logit_scale|logits_scaling)\b")
 
 

@@ -41,6 +41,10 @@ REPRESENTATIVES = {
     "mixtral": {"RMSNorm", "rotary_pos_emb", "MoEForCausalLM"},
     # GPT-2: decoder `transformer`, its own arguments: the generic head
     "gpt2": {"LayerNorm", "CausalLMHead"},
+    # BERT as a decoder: the logits' Linear is cls.predictions.decoder (get_output_embeddings)
+    "bert": {"LayerNorm", "CausalLMHead"},
+    # BART's decoder: nn.CrossEntropyLoss over labels it does not shift
+    "bart": {"LayerNorm", "CausalLMHead"},
 }
 
 

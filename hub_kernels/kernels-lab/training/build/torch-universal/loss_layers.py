@@ -477,6 +477,10 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     softcap = getattr(model.config, "final_logit_softcapping", None)
     scale = logit_scale(model)
     head = output_head(model)
+    if not getattr(model, "kernels_shift_labels", True):
+        # nn.CrossEntropyLoss over labels the caller shifted (BART-style decoders): mean over
+        # the non-ignored tokens, no num_items_in_batch
+        extra = {"shift_labels": labels}
     loss = fused_causal_lm_loss(model, hidden, labels, softcap, extra, scale, head)
     logits = None
     if (not model.training) if return_logits is None else return_logits:
