@@ -19,7 +19,11 @@ from .add_rms_norm import fused_add_rms_norm
 from .gated_mlp import gated_mlp
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
-from .rope import apply_interleaved_rotary_pos_emb, apply_partial_rotary_pos_emb
+from .rope import (
+    apply_interleaved_rotary_pos_emb,
+    apply_partial_rotary_pos_emb,
+    apply_rotary_pos_emb,
+)
 from .swiglu import GELU_ERF, GELU_TANH, SILU, gelu_mul, silu, silu_mul
 
 _SILU_CLASSES = {"SiLUActivation", "SiLU"}
@@ -158,6 +162,8 @@ class rotary_pos_emb(nn.Module):  # noqa: N801 - the layer name transformers ask
         sin: torch.Tensor,
         unsqueeze_dim: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cos.shape[-1] == q.shape[-1]:
+            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
         return apply_partial_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
