@@ -102,6 +102,8 @@ class GemmaRMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _HAS_CASTING_MODE:
+            return rms_norm(x, self.weight, _eps(self), offset=1.0, casting_mode="gemma")
         return rms_norm(x, self.weight, _eps(self), gemma=True)
 
 
@@ -126,6 +128,8 @@ class WeightlessRMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if _HAS_CASTING_MODE:  # the newer kernel takes no weight at all
+            return rms_norm(hidden_states, None, _eps(self))
         ones = torch.ones(
             hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device
         )
