@@ -247,7 +247,7 @@ _HEAD_LINE_OK = re.compile(
     r"if .*(softcap|scal).*:|else:"
     r"|\w+ = self\.\w+\(.*\)"  # the call itself
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
-    r"|\w+ = (\w+|self\.\w+\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
+    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
     r")\s*$"
 )
@@ -296,8 +296,12 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         and params[-1].kind is params[-1].VAR_KEYWORD
         and (not moe or names.index("output_router_logits") == len(HEAD_ARGS) - 1)
     )
-    if "aux_loss" in source and not (llama_style and moe):
-        return Verdict("loss", None, "adds an auxiliary loss the fused loss does not compute")
+    aux = _AUX_LOSS.search(source)
+    aux_spec = ("config" if aux.group(1) else "model", aux.group(2)) if aux else None
+    if aux is None and re.search(r"loss \+=.*aux", source):
+        return Verdict("loss", None, "adds an auxiliary loss in a way the loss layers do not know")
+    if aux is not None and not (llama_style and moe):
+        llama_style = False  # the generic head adds the family's aux loss from its output
     llama_style = llama_style and not unshifted
     if "labels" not in names:
         return Verdict("loss", None, "its forward takes no labels")
@@ -305,7 +309,12 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     missing = available(layer)
     if missing:
         return Verdict("loss", None, missing)
-    attributes = ((LOGIT_OPS, ops), (OUTPUT_HEAD, head_path), (SHIFT_LABELS, not unshifted))
+    attributes = (
+        (LOGIT_OPS, ops),
+        (OUTPUT_HEAD, head_path),
+        (SHIFT_LABELS, not unshifted),
+        (AUX_LOSS, aux_spec),
+    )
     return Verdict("loss", layer, attributes=attributes)
 
 
@@ -330,6 +339,8 @@ def _output_head_path(model: nn.Module) -> str | None:
 LOGIT_OPS = "kernels_logit_ops"
 OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
+AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
+_AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?(\w+) \* aux_loss")
 _PLAIN_CE = re.compile(
     r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
     r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"

@@ -126,3 +126,14 @@ def test_torch_compile_of_a_one_line_model(mirror):
     assert loss.item() == pytest.approx(plain(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
     for (name, p), q in zip(ours.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_generic_head_adds_the_familys_aux_loss(mirror):
+    """GraniteMoE adds `router_aux_loss_coef * aux_loss` to its loss (with router logits on);
+    the generic head runs its forward without labels, so it adds the same term itself."""
+    from .registry import run_one
+
+    router = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    outcome = run_one("granitemoe", overrides=router)
+    assert outcome.status == "match", outcome
+    assert "CausalLMHead" in outcome.bound, outcome

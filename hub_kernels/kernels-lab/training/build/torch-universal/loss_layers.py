@@ -482,6 +482,13 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
         # the non-ignored tokens, no num_items_in_batch
         extra = {"shift_labels": labels}
     loss = fused_causal_lm_loss(model, hidden, labels, softcap, extra, scale, head)
+    aux_spec = getattr(model, "kernels_aux_loss", None)
+    aux = None if isinstance(out, tuple) else out.get("aux_loss")
+    if aux_spec is not None and aux is not None:
+        # the family adds `coef * aux_loss` to the loss only with labels: so do we
+        holder, attr = aux_spec
+        coef = getattr(model if holder == "model" else model.config, attr)
+        loss = loss + coef * aux.to(loss.device)
     logits = None
     if (not model.training) if return_logits is None else return_logits:
         logits = _head_logits(model, hidden, softcap, scale, head)
