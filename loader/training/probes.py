@@ -281,12 +281,28 @@ def half_interleaved_reference(q, k, cos, sin, unsqueeze_dim=1):
     return interleaved_reference(q, k, cos, sin, unsqueeze_dim)
 
 
+def half_cos_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-OSS-style: rotate-half with one cos/sin value per pair ([B, T, d/2], not repeated)."""
+    return rotate_half_reference(
+        q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), unsqueeze_dim
+    )
+
+
 # layer name -> the formula it computes (the kernel repo's layer classes of those names)
 ROTARY_FORMULAS = {
     "rotary_pos_emb": rotate_half_reference,
+    "half_rotary_pos_emb": half_cos_reference,
     "interleaved_rotary_pos_emb": interleaved_reference,
     "half_interleaved_rotary_pos_emb": half_interleaved_reference,
 }
+
+
+def _formula_fits(name: str, got, q, k, cos, sin) -> bool:
+    try:
+        want = ROTARY_FORMULAS[name](q, k, cos, sin)
+    except RuntimeError:  # the formula does not take cos/sin of that width
+        return False
+    return all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False))
 
 
 def probe_rotary(fn: Callable) -> tuple[str | None, str]:
@@ -301,24 +317,19 @@ def probe_rotary(fn: Callable) -> tuple[str | None, str]:
         return None, f"takes ({', '.join(names)}), not (q, k, cos, sin, unsqueeze_dim)"
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 4, 5, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen)
-    fits = list(ROTARY_FORMULAS)
-    for width in (16, 8):
+    fits, ran, failure = list(ROTARY_FORMULAS), 0, ""
+    for width in (16, 8):  # as wide as the head, then half (partial rotary, or one per pair)
         cos, sin = _cos_sin(2, 5, width, gen)
         try:
             with torch.no_grad():
                 got = fn(q, k, cos, sin)
-        except Exception as exc:  # noqa: BLE001
-            if width == 16:
-                return None, f"failed on a probe input ({type(exc).__name__})"
-            break  # full width only: the layer is never asked for less
-        fits = [
-            name
-            for name in fits
-            if all(
-                _close(a, b, _FP32_RTOL)
-                for a, b in zip(got, ROTARY_FORMULAS[name](q, k, cos, sin), strict=False)
-            )
-        ]
+        except Exception as exc:  # noqa: BLE001 - that width is not one the function takes
+            failure = failure or f"failed on a probe input ({type(exc).__name__})"
+            continue
+        ran += 1
+        fits = [name for name in fits if _formula_fits(name, got, q, k, cos, sin)]
+    if not ran:
+        return None, failure
     if not fits:
         return None, "neither rotate-half nor interleaved-pair RoPE: no kernel layer for it"
     return fits[0], ""

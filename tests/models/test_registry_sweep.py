@@ -33,6 +33,8 @@ REPRESENTATIVES = {
     "cohere": {"LayerNorm", "SwiGLUMLP", "interleaved_rotary_pos_emb", "ForCausalLM"},
     # Granite: logits_scaling
     "granite": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
+    # GPT-OSS: its decorated rotary takes one cos/sin value per pair (served as half_rotary_pos_emb)
+    "gpt_oss": {"RMSNormFloatWeight", "half_rotary_pos_emb", "MoEForCausalLM"},
     # HyperCLOVA X: multiplies by logits_scaling (Granite divides): read from its forward
     "hyperclovax": {"RMSNorm", "SwiGLUMLP", "ForCausalLM"},
     # StableLM: LayerNorm with bias; partial rotary split off by the attention module

@@ -171,6 +171,25 @@ class rotary_pos_emb(nn.Module):  # noqa: N801 - the layer name transformers ask
         return apply_partial_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
+class half_rotary_pos_emb(nn.Module):  # noqa: N801 - a function's layer
+    """GPT-OSS's apply_rotary_pos_emb: rotate-half with cos/sin holding one value per pair
+    ([B, T, D/2]); the kernel gets them repeated ([f, f]) and skips reading the copy."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        unsqueeze_dim: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
 class interleaved_rotary_pos_emb(nn.Module):  # noqa: N801 - a function's layer
     """Cohere's apply_rotary_pos_emb: interleaved pairs, cos/sin already repeated per pair
     ([c0, c0, c1, c1, ...]); partial when cos is narrower than the head."""
