@@ -35,7 +35,7 @@ LIGER_TYPES = frozenset(
     "exaone4".split()
 )
 NORMS = {"RMSNorm", "GemmaRMSNorm", "RMSNormFloatWeight", "WeightlessRMSNorm", "LayerNorm"}
-HEADS = {"ForCausalLM", "MoEForCausalLM"}
+HEADS = {"ForCausalLM", "MoEForCausalLM", "CausalLMHead"}
 
 
 def start_mirror() -> None:
@@ -80,6 +80,34 @@ def sweep(types: list[str], device: str, dtype, limit_s: int) -> list:
     return outcomes
 
 
+def read_table(path: Path) -> list:
+    """The outcomes of an earlier run's table (for --update)."""
+    from tests.models.registry import Outcome
+
+    outcomes = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip().replace("\\|", "|") for c in line.strip().strip("|").split(" | ")]
+        if len(cells) != 6 or cells[0] in ("model type", "---|---|---|---|---|---"):
+            continue
+        model_type, status, bound, unbound, loss, grad = cells
+        if status not in ("match", "mismatch", "skipped", "error"):
+            continue
+        outcome = Outcome(
+            model_type,
+            status,
+            [b for b in bound.split(", ") if b],
+            [],
+            float(loss) if loss else float("nan"),
+            float(grad) if grad else float("nan"),
+        )
+        if status in ("skipped", "error"):
+            outcome.reason = unbound
+        else:
+            outcome.unbound = [u for u in unbound.split("; ") if u]
+        outcomes.append(outcome)
+    return outcomes
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -89,7 +117,9 @@ def table(outcomes: list, device: str, dtype_name: str) -> str:
     import transformers
 
     built = [o for o in outcomes if o.status != "skipped"]
-    good = [o for o in built if o.status == "match" and NORMS & set(o.bound) and HEADS & set(o.bound)]
+    good = [
+        o for o in built if o.status == "match" and NORMS & set(o.bound) and HEADS & set(o.bound)
+    ]
     liger = [o for o in outcomes if o.model_type in LIGER_TYPES]
     liger_built = [o for o in liger if o.status != "skipped"]
     liger_good = [o for o in liger_built if o.status == "match"]
@@ -136,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
     parser.add_argument("--limit-s", type=int, default=180, help="per model type")
+    parser.add_argument(
+        "--update", action="store_true", help="replace only the rows of the types run in --out"
+    )
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")
@@ -148,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     types = [t for t in args.only.split(",") if t] or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     outcomes = sweep(types, args.device, dtype, args.limit_s)
+    if args.update:
+        fresh = {o.model_type: o for o in outcomes}
+        outcomes = [fresh.pop(o.model_type, o) for o in read_table(Path(args.out))]
+        outcomes += fresh.values()
     Path(args.out).write_text(table(outcomes, args.device, args.dtype))
     print(f"wrote {args.out}")
     return 0

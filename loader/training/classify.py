@@ -42,6 +42,8 @@ class Verdict:
     layer: str | None
     reason: str = ""
     condition: Callable[[nn.Module], bool] | None = None
+    # class attributes the layer reads (the loss head's logit scaling ops)
+    attributes: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class Plan:
             reasons = dict(cls.__dict__.get(UNSERVED) or {})
             if verdict.layer:
                 replace_kernel_forward_from_hub(cls, verdict.layer, verdict.condition)
+                for name, value in verdict.attributes:
+                    setattr(cls, name, value)
                 reasons.pop(verdict.kind, None)
             else:
                 reasons[verdict.kind] = verdict.reason
@@ -95,6 +99,8 @@ class Plan:
             if not use.verdict.layer:
                 reasons["rotary"] = use.verdict.reason
                 _set_reasons(use.owner, reasons)
+                if isinstance(use.function, KernelFunction):
+                    type(use.function).kernel_condition = staticmethod(_never)
                 continue
             reasons.pop("rotary", None)
             _set_reasons(use.owner, reasons)
@@ -102,6 +108,9 @@ class Plan:
             if not isinstance(func, KernelFunction):
                 func = make_function_module(func, use.verdict.layer, None)
                 use.namespace[use.name] = func  # same result unbound; bindable per caller
+            else:
+                # transformers' name may promise another layout than the function computes
+                type(func).kernel_layer_name = use.verdict.layer
             _attach(use.owner, func, model)
 
 
@@ -127,7 +136,8 @@ def _attach(owner: type, func: KernelFunction, model: nn.Module | None) -> None:
 
         def __init__(self, *args, **kwargs):  # noqa: N807
             original_init(self, *args, **kwargs)
-            self.__dict__.setdefault("_kernel_funcs", {}).update(owner.__dict__[_ATTACHED])
+            for name, fn in owner.__dict__[_ATTACHED].items():
+                _list_function(self, name, fn)
 
         __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
         owner.__init__ = __init__
@@ -136,7 +146,13 @@ def _attach(owner: type, func: KernelFunction, model: nn.Module | None) -> None:
     if model is not None:
         for module in model.modules():
             if type(module) is owner:
-                module.__dict__.setdefault("_kernel_funcs", {})[key] = func
+                _list_function(module, key, func)
+
+
+def _list_function(module: nn.Module, key: str, func: KernelFunction) -> None:
+    funcs = module.__dict__.setdefault("_kernel_funcs", {})
+    if all(f is not func for f in funcs.values()):  # listed once, whatever its key
+        funcs[key] = func
 
 
 # -- per kind ---------------------------------------------------------------------------------
@@ -229,9 +245,9 @@ def experts_verdict(
 _HEAD_LINE_OK = re.compile(
     r"^\s*("
     r"if .*(softcap|scal).*:|else:"
-    r"|\w+ = self\.lm_head\(.*\)"  # the call itself
+    r"|\w+ = self\.\w+\(.*\)"  # the call itself
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
-    r"|\w+ = (\w+|self\.lm_head\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
+    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
     r")\s*$"
 )
@@ -242,19 +258,30 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     arguments; CausalLMHead for any other forward that ends in ``self.lm_head(hidden)`` and
     ``self.loss_function``. Either way the logits may only be soft-capped or scaled."""
     cls = type(model)
-    head = getattr(model, "lm_head", None)
-    # the fused loss reads lm_head.weight/bias: a head with its own forward (a per-token scale,
-    # a LoRA wrapper, a quantized matmul) must run it
+    head_path = _output_head_path(model)
+    if head_path is None:
+        return Verdict("loss", None, "no output embedding (lm_head) among its modules")
+    head = model.get_submodule(head_path)
+    # the fused loss reads the head's weight/bias: a head with its own forward (a per-token
+    # scale, a LoRA wrapper, a quantized matmul) must run it
     if not (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward):
-        return Verdict("loss", None, "lm_head is not a plain nn.Linear")
+        return Verdict("loss", None, f"{head_path} is not a plain nn.Linear")
     forward = inspect.unwrap(cls.forward)
     try:
         source = inspect.getsource(forward)
     except (OSError, TypeError):
         return Verdict("loss", None, "its forward's source cannot be read")
-    if "self.loss_function(" not in source:
-        return Verdict("loss", None, "computes its loss without self.loss_function")
-    problem = _logits_problem(model, source)
+    # transformers' causal loss (labels shifted inside), or nn.CrossEntropyLoss over labels
+    # the caller already shifted (BART-style decoders): the fused loss does either
+    unshifted = "self.loss_function(" not in source
+    if unshifted and not _PLAIN_CE.search(source):
+        return Verdict(
+            "loss",
+            None,
+            "computes its loss neither with self.loss_function nor a plain CrossEntropyLoss",
+        )
+    top = head_path.split(".")[0]
+    problem, ops = _logits_problem(model, source, top)
     if problem:
         return Verdict("loss", None, problem)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -262,28 +289,72 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     moe = "output_router_logits" in names
     plain = tuple(n for n in names[:-1] if n != "output_router_logits")
     llama_style = (
-        isinstance(getattr(model, "model", None), nn.Module)
+        head_path == "lm_head"
+        and isinstance(getattr(model, "model", None), nn.Module)
         and plain == HEAD_ARGS
         and bool(params)
         and params[-1].kind is params[-1].VAR_KEYWORD
         and (not moe or names.index("output_router_logits") == len(HEAD_ARGS) - 1)
     )
-    if "aux_loss" in source and not (llama_style and moe):
-        return Verdict("loss", None, "adds an auxiliary loss the fused loss does not compute")
+    aux = _AUX_LOSS.search(source)
+    aux_spec = ("config" if aux.group(1) else "model", aux.group(2)) if aux else None
+    if aux is None and re.search(r"loss \+=.*aux", source):
+        return Verdict("loss", None, "adds an auxiliary loss in a way the loss layers do not know")
+    if aux is not None and not (llama_style and moe):
+        llama_style = False  # the generic head adds the family's aux loss from its output
+    llama_style = llama_style and not unshifted
     if "labels" not in names:
         return Verdict("loss", None, "its forward takes no labels")
     layer = ("MoEForCausalLM" if moe else "ForCausalLM") if llama_style else "CausalLMHead"
     missing = available(layer)
-    return Verdict("loss", None, missing) if missing else Verdict("loss", layer)
+    if missing:
+        return Verdict("loss", None, missing)
+    attributes = (
+        (LOGIT_OPS, ops),
+        (OUTPUT_HEAD, head_path),
+        (SHIFT_LABELS, not unshifted),
+        (AUX_LOSS, aux_spec),
+    )
+    return Verdict("loss", layer, attributes=attributes)
 
 
-def _logits_problem(model: nn.Module, source: str) -> str:
-    """Why the loss layers cannot reproduce what the forward does to lm_head's output ("" if
-    they can: nothing, a soft-cap, a scale, a cast to fp32)."""
+def _output_head_path(model: nn.Module) -> str | None:
+    """Where the logits' Linear sits: transformers' get_output_embeddings(), else lm_head."""
+    head = None
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            head = getter()
+        except (AttributeError, NotImplementedError, TypeError):
+            head = None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    if head is None:
+        return None
+    return next((path for path, m in model.named_modules() if m is head and path), None)
+
+
+# The loss layers read this class attribute: how the forward scales lm_head's output, as
+# ((holder "model" | "config", attribute, "*" | "/"), ...) in the forward's order.
+LOGIT_OPS = "kernels_logit_ops"
+OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
+SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
+AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
+_AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?(\w+) \* aux_loss")
+_PLAIN_CE = re.compile(
+    r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
+    r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
+)
+_SCALE_OP = re.compile(r"([*/]) ?self\.(config\.)?(logit_scale|logits_scaling)\b")
+
+
+def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tuple[str, tuple]:
+    """(why the loss layers cannot reproduce what the forward does to lm_head's output, "" if
+    they can: nothing, a soft-cap, a scale, a cast to fp32; the scaling ops it applies)."""
     lines = [line.split("#")[0].rstrip() for line in source.splitlines()]
-    calls = [i for i, line in enumerate(lines) if "self.lm_head(" in line]
+    calls = [i for i, line in enumerate(lines) if f"self.{top}(" in line]
     if len(calls) != 1:
-        return f"calls self.lm_head {len(calls)} times in its forward"
+        return f"calls self.{top} {len(calls)} times in its forward", ()
     start = calls[0]
     end = next(
         (
@@ -294,10 +365,10 @@ def _logits_problem(model: nn.Module, source: str) -> str:
         None,
     )
     if end is None:
-        return "no loss computed after `self.lm_head(...)`"
+        return f"no loss computed after `self.{top}(...)`", ()
     for line in lines[start:end]:
         if line.strip() and not _HEAD_LINE_OK.match(line):
-            return f"post-processes its logits with `{line.strip()}`"
+            return f"post-processes its logits with `{line.strip()}`", ()
     body = "\n".join(lines[start:end])
     config = getattr(model, "config", None)
     for attr, holder in (
@@ -307,10 +378,14 @@ def _logits_problem(model: nn.Module, source: str) -> str:
     ):
         value = getattr(holder, attr, None)
         if value is not None and not isinstance(value, (int, float)):
-            return f"its {attr} is a {type(value).__name__}, not a number"
+            return f"its {attr} is a {type(value).__name__}, not a number", ()
         if value not in (None, 1, 1.0) and attr not in body:
-            return f"has {attr} but its forward does not apply it"
-    return ""
+            return f"has {attr} but its forward does not apply it", ()
+    ops = tuple(
+        ("config" if on_config else "model", attr, op)
+        for op, on_config, attr in _SCALE_OP.findall(body)
+    )
+    return "", ops
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -335,8 +410,8 @@ def rotary_uses(cls: type, available: Callable[[str], str | None]) -> list[Rotar
         if fn is None:
             continue
         plain = fn.__dict__.get("__wrapped__", fn) if isinstance(fn, KernelFunction) else fn
-        layer = fn.kernel_layer_name if isinstance(fn, KernelFunction) else "rotary_pos_emb"
-        reason = probes.probe_rotary(plain) or available("rotary_pos_emb")
+        layer, reason = probes.probe_rotary(plain)
+        reason = reason or available(layer)
         verdict = Verdict("rotary", None, reason) if reason else Verdict("rotary", layer)
         uses.append(RotaryUse(cls, name, namespace, fn, verdict))
     return uses

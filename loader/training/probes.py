@@ -254,33 +254,82 @@ def _cos_sin(batch: int, seq: int, dim: int, gen: torch.Generator):
     return emb.cos(), emb.sin()
 
 
-def probe_rotary(fn: Callable) -> str | None:
-    """None if ``fn`` is rotate-half RoPE with transformers' signature (full, and partial if
-    it accepts a shorter cos); else the one-line reason."""
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def interleaved_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-J-style RoPE: dims (2i, 2i+1) rotate as a pair by the cos/sin at those dims (cos
+    already repeated per pair, as Cohere's rotary embedding returns it); dims past
+    cos.shape[-1] pass."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    d = cos.shape[-1]
+
+    def one(x):
+        rot = x[..., :d] * cos + _rotate_pairs(x[..., :d]) * sin
+        return torch.cat((rot, x[..., d:]), dim=-1) if d < x.shape[-1] else rot
+
+    return one(q), one(k)
+
+
+def half_interleaved_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM-style: transformers' [f, f] cos/sin, whose first half is repeated per pair, then
+    the interleaved rotation over cos.shape[-1] dims."""
+    half = cos.shape[-1] // 2
+    cos = cos[..., :half].repeat_interleave(2, dim=-1)
+    sin = sin[..., :half].repeat_interleave(2, dim=-1)
+    return interleaved_reference(q, k, cos, sin, unsqueeze_dim)
+
+
+def half_cos_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-OSS-style: rotate-half with one cos/sin value per pair ([B, T, d/2], not repeated)."""
+    return rotate_half_reference(
+        q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), unsqueeze_dim
+    )
+
+
+# layer name -> the formula it computes (the kernel repo's layer classes of those names)
+ROTARY_FORMULAS = {
+    "rotary_pos_emb": rotate_half_reference,
+    "half_rotary_pos_emb": half_cos_reference,
+    "interleaved_rotary_pos_emb": interleaved_reference,
+    "half_interleaved_rotary_pos_emb": half_interleaved_reference,
+}
+
+
+def _formula_fits(name: str, got, q, k, cos, sin) -> bool:
+    try:
+        want = ROTARY_FORMULAS[name](q, k, cos, sin)
+    except RuntimeError:  # the formula does not take cos/sin of that width
+        return False
+    return all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False))
+
+
+def probe_rotary(fn: Callable) -> tuple[str | None, str]:
+    """(the rotary layer computing what ``fn`` does, or None; the reason when None). ``fn``
+    must have transformers' signature; it is run at full and partial rotary width (a function
+    that only takes full width is served at full width)."""
     try:
         names = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return "its signature cannot be read"
+        return None, "its signature cannot be read"
     if names != ROTARY_PARAMS:
-        return f"takes ({', '.join(names)}), not (q, k, cos, sin, unsqueeze_dim)"
+        return None, f"takes ({', '.join(names)}), not (q, k, cos, sin, unsqueeze_dim)"
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 4, 5, 16, generator=gen), torch.randn(2, 2, 5, 16, generator=gen)
-    cos, sin = _cos_sin(2, 5, 16, gen)
-    try:
-        with torch.no_grad():
-            got = fn(q, k, cos, sin)
-    except Exception as exc:  # noqa: BLE001
-        return f"failed on a probe input ({type(exc).__name__})"
-    want = rotate_half_reference(q, k, cos, sin)
-    if not all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False)):
-        return "not the rotate-half layout (interleaved pairs or another formula): no kernel layer for it"
-    cos8, sin8 = _cos_sin(2, 5, 8, gen)
-    try:
-        with torch.no_grad():
-            got = fn(q, k, cos8, sin8)
-    except Exception:  # noqa: BLE001 - full rotary only: the kernel layer is never asked for less
-        return None
-    want = rotate_half_reference(q, k, cos8, sin8)
-    if not all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False)):
-        return "partial rotary in a layout the kernel does not have"
-    return None
+    fits, ran, failure = list(ROTARY_FORMULAS), 0, ""
+    for width in (16, 8):  # as wide as the head, then half (partial rotary, or one per pair)
+        cos, sin = _cos_sin(2, 5, width, gen)
+        try:
+            with torch.no_grad():
+                got = fn(q, k, cos, sin)
+        except Exception as exc:  # noqa: BLE001 - that width is not one the function takes
+            failure = failure or f"failed on a probe input ({type(exc).__name__})"
+            continue
+        ran += 1
+        fits = [name for name in fits if _formula_fits(name, got, q, k, cos, sin)]
+    if not ran:
+        return None, failure
+    if not fits:
+        return None, "neither rotate-half nor interleaved-pair RoPE: no kernel layer for it"
+    return fits[0], ""

@@ -92,9 +92,16 @@ def _shrink(config) -> None:
                 setattr(config, key, value)
         except Exception:  # noqa: BLE001, S110 - a per-layer or derived attribute: leave it
             pass
-    for key, value in (("n_group", 1), ("topk_group", 1), ("num_experts_per_tok", 2)):
+    for key, value in (
+        ("n_group", 1),
+        ("topk_group", 1),
+        ("num_experts_per_tok", 2),
+        ("head_dim", HEAD_DIM),
+    ):
         if hasattr(config, key):  # set even where the default is None (grouped MoE routing)
             setattr(config, key, value)
+    if hasattr(config, "logits_scaling"):
+        config.logits_scaling = 4.0  # granite's default is 1.0: a scale the sweep would not see
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = HEADS  # latent attention expands k/v to every head
     layers = getattr(config, "num_hidden_layers", None)
@@ -117,6 +124,8 @@ def _shrink(config) -> None:
         "router_aux_loss_coef",
         "ffn_dropout",
         "classifier_dropout",
+        "router_jitter_noise",
+        "input_jitter_noise",
     ):
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)  # training must be deterministic to compare
@@ -138,8 +147,13 @@ def causal_lm_class(model_type: str):
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
-def build(model_type: str, seed: int = 0):
+def build(model_type: str, seed: int = 0, overrides: dict | None = None):
     config = tiny_config(model_type)
+    for key, value in (overrides or {}).items():
+        if key == "rope_parameters":
+            config.rope_parameters = {**(config.rope_parameters or {}), **value}
+        else:
+            setattr(config, key, value)
     cls = causal_lm_class(model_type)
     text = getattr(config, "text_config", None)
     if not isinstance(config, cls.config_class) and isinstance(text, cls.config_class):
@@ -169,6 +183,7 @@ def train_steps(model, batches, steps: int = 3) -> list[tuple[float, float]]:
     """(loss, grad norm) of each AdamW step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
+    torch.manual_seed(0)  # whatever a model draws in training, both copies draw the same
     out = []
     for ids in batches[:steps]:
         loss = model(input_ids=ids, labels=ids).loss
@@ -186,13 +201,20 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
-def run_one(model_type: str, *, device: str = "cpu", dtype=torch.float32, repo=None) -> Outcome:
+def run_one(
+    model_type: str,
+    *,
+    device: str = "cpu",
+    dtype=torch.float32,
+    repo=None,
+    overrides: dict | None = None,
+) -> Outcome:
     """Build the tiny model, train a plain copy and a kernelized copy 3 steps, compare."""
     import kernels
 
     start = time.perf_counter()
     try:
-        plain = build(model_type).to(device=device, dtype=dtype)
+        plain = build(model_type, overrides=overrides).to(device=device, dtype=dtype)
         ours = copy.deepcopy(plain)
         gen = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, VOCAB, (2, 16), generator=gen).to(device) for _ in range(3)]

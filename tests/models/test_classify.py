@@ -142,26 +142,38 @@ class PartialAttention(nn.Module):
     def forward(self, q, k, cos, sin):
         return apply_rotary_pos_emb(q, k, cos, sin)
 
+def apply_rotary_pos_emb_inverse(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos - rotate_half(q) * sin, k * cos - rotate_half(k) * sin
+
 class PairsAttention(nn.Module):
     def forward(self, q, k, cos, sin):
         return apply_rotary_pos_emb_pairs(q, k, cos, sin)
+
+class InverseAttention(nn.Module):
+    def forward(self, q, k, cos, sin):
+        return apply_rotary_pos_emb_inverse(q, k, cos, sin)
 """
 
 
 def test_undecorated_rotary_functions_are_found_probed_and_routed_per_caller(family):
     _define(family, _ATTENTION)
     original = family.apply_rotary_pos_emb
-    model = nn.Sequential(family.PartialAttention(), family.PairsAttention())
+    model = nn.Sequential(
+        family.PartialAttention(), family.PairsAttention(), family.InverseAttention()
+    )
     plan = classify(model)
     uses = {u.owner.__name__: u.verdict for u in plan.rotary}
     assert uses["PartialAttention"].layer == "rotary_pos_emb"
-    assert uses["PairsAttention"].layer is None
-    assert "not the rotate-half layout" in uses["PairsAttention"].reason
+    assert uses["PairsAttention"].layer == "interleaved_rotary_pos_emb"
+    assert uses["InverseAttention"].layer is None
+    assert "neither rotate-half nor interleaved" in uses["InverseAttention"].reason
     plan.mark(model)
     wrapped = family.apply_rotary_pos_emb
     assert wrapped is not original and wrapped.__wrapped__ is original
     assert model[0].__dict__["_kernel_funcs"]["rotary_pos_emb"] is wrapped
-    assert family.PairsAttention._kernels_unserved["rotary"].startswith("not the rotate-half")
+    assert "interleaved_rotary_pos_emb" in model[1].__dict__["_kernel_funcs"]
+    assert family.InverseAttention._kernels_unserved["rotary"].startswith("neither")
     # unbound, the wrapper computes what the function did
     q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     cos, sin = torch.randn(1, 3, 4), torch.randn(1, 3, 4)

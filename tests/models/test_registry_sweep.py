@@ -2,12 +2,13 @@
 ``kernels.apply_training_kernels(model)``: losses and gradient norms agree (fp32, 1e-4
 relative), and the modules of each structural kind bind the layer for that kind.
 
-The default run covers one model type per structure; the whole registry is ``-m slow``
-(scripts/sweep_models.py writes the same run to docs/models.md).
+The default run covers one model type per structure; the whole registry runs under
+``KERNELS_SWEEP=1`` (marked slow; scripts/sweep_models.py writes the same run to docs/models.md).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import pytest
 from .registry import run_one
 
 ROOT = Path(__file__).resolve().parents[2]
+# Read at import: the root conftest clears KERNELS_* variables for each test.
+SWEEP = os.environ.get("KERNELS_SWEEP", "").strip() not in ("", "0")
 
 # model type -> layers that must bind (one type per structural kind the classifier knows)
 REPRESENTATIVES = {
@@ -22,20 +25,28 @@ REPRESENTATIVES = {
     "llama": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
     # Gemma 2: (1 + weight) fp32 norm, GeGLU, final logit soft-capping
     "gemma2": {"GemmaRMSNorm", "GeGLUMLP", "rotary_pos_emb", "ForCausalLM"},
-    # Phi-3: fused gate_up_proj, an undecorated rotary function
-    "phi3": {"RMSNorm", "FusedSwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
+    # GLM-4: fused gate_up_proj, an undecorated partial interleaved rotary function
+    "glm4": {"RMSNorm", "FusedSwiGLUMLP", "half_interleaved_rotary_pos_emb", "ForCausalLM"},
     # OLMo 2: the weight multiplies in fp32; q/k norms over the whole projection
     "olmo2": {"RMSNormFloatWeight", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
-    # Cohere: LayerNorm without bias, logit_scale
-    "cohere": {"LayerNorm", "SwiGLUMLP", "ForCausalLM"},
+    # Cohere: LayerNorm without bias, interleaved rotary (cos repeated per pair), logit_scale
+    "cohere": {"LayerNorm", "SwiGLUMLP", "interleaved_rotary_pos_emb", "ForCausalLM"},
     # Granite: logits_scaling
     "granite": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
-    # StableLM: partial rotary (25 % of the head), LayerNorm with bias
+    # GPT-OSS: its decorated rotary takes one cos/sin value per pair (served as half_rotary_pos_emb)
+    "gpt_oss": {"RMSNormFloatWeight", "half_rotary_pos_emb", "MoEForCausalLM"},
+    # HyperCLOVA X: multiplies by logits_scaling (Granite divides): read from its forward
+    "hyperclovax": {"RMSNorm", "SwiGLUMLP", "ForCausalLM"},
+    # StableLM: LayerNorm with bias; partial rotary split off by the attention module
     "stablelm": {"LayerNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
     # Mixtral: the MoE head (output_router_logits)
     "mixtral": {"RMSNorm", "rotary_pos_emb", "MoEForCausalLM"},
     # GPT-2: decoder `transformer`, its own arguments: the generic head
     "gpt2": {"LayerNorm", "CausalLMHead"},
+    # BERT as a decoder: the logits' Linear is cls.predictions.decoder (get_output_embeddings)
+    "bert": {"LayerNorm", "CausalLMHead"},
+    # BART's decoder: nn.CrossEntropyLoss over labels it does not shift
+    "bart": {"LayerNorm", "CausalLMHead"},
 }
 
 
@@ -53,11 +64,21 @@ def test_representative_model_types_bind_and_match(mirror, model_type):
     assert not missing, f"{model_type}: {sorted(missing)} not bound: {outcome.unbound}"
 
 
+def test_partial_rotary_inside_the_rotary_function(mirror):
+    """Phi-3 with partial_rotary_factor 0.5: its apply_rotary_pos_emb rotates the first half of
+    each head and passes the rest; the bound layer must do the same."""
+    outcome = run_one("phi3", overrides={"rope_parameters": {"partial_rotary_factor": 0.5}})
+    assert outcome.status == "match", outcome
+    assert {"rotary_pos_emb", "FusedSwiGLUMLP"} <= set(outcome.bound), outcome
+
+
 def test_unserved_modules_are_named_with_their_reason(mirror):
-    """Cohere's rotary is interleaved and Mixtral's experts have no kernel in this build: both
-    keep their forward and the report says why (the rest of the model still binds)."""
-    cohere, mixtral = run_one("cohere"), run_one("mixtral")
-    assert any(u.startswith("rotary: not the rotate-half layout") for u in cohere.unbound)
+    """GPT-J's rotary function has its own signature, its MLP is not gated, and Mixtral's
+    experts have no kernel in this build: each keeps its forward and the report says why (the
+    rest of the model still binds)."""
+    gptj, mixtral = run_one("gptj"), run_one("mixtral")
+    assert any(u.startswith("rotary: takes (tensor, sin, cos)") for u in gptj.unbound)
+    assert any(u.startswith("mlp: not gated") for u in gptj.unbound)
     assert "experts: no experts kernel in this build" in mixtral.unbound
 
 
@@ -68,6 +89,9 @@ def _all_types() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not SWEEP, reason="the whole registry: set KERNELS_SWEEP=1 (~30 min on 2 cores)"
+)
 @pytest.mark.parametrize("model_type", _all_types())
 def test_every_registered_causal_lm(mirror, model_type):
     """Every model type: skipped only if its plain model does not build or train here; else

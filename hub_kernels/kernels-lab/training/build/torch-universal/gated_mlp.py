@@ -35,7 +35,9 @@ class GatedMLPFunction(torch.autograd.Function):
         h = _glu_forward_any(gate, up, act)
         ctx.save_for_backward(x, gate_up, w_gate, w_up, w_down)
         ctx.act = act
-        return (h @ w_down.t()).view(*x.shape[:-1], w_down.shape[0])
+        # matmul of the [.., inter] view makes a fresh tensor, not a view: callers may add to
+        # the MLP's output in place (Llama 4's shared expert does)
+        return torch.matmul(h.view(*x.shape[:-1], inter), w_down.t())
 
     @staticmethod
     def backward(ctx, dy):

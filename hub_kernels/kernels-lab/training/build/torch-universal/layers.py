@@ -19,7 +19,11 @@ from .add_rms_norm import fused_add_rms_norm
 from .gated_mlp import gated_mlp
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
-from .rope import apply_partial_rotary_pos_emb
+from .rope import (
+    apply_interleaved_rotary_pos_emb,
+    apply_partial_rotary_pos_emb,
+    apply_rotary_pos_emb,
+)
 from .swiglu import GELU_ERF, GELU_TANH, SILU, gelu_mul, silu, silu_mul
 
 _SILU_CLASSES = {"SiLUActivation", "SiLU"}
@@ -98,6 +102,8 @@ class GemmaRMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _HAS_CASTING_MODE:
+            return rms_norm(x, self.weight, _eps(self), offset=1.0, casting_mode="gemma")
         return rms_norm(x, self.weight, _eps(self), gemma=True)
 
 
@@ -122,6 +128,8 @@ class WeightlessRMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if _HAS_CASTING_MODE:  # the newer kernel takes no weight at all
+            return rms_norm(hidden_states, None, _eps(self))
         ones = torch.ones(
             hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device
         )
@@ -158,7 +166,67 @@ class rotary_pos_emb(nn.Module):  # noqa: N801 - the layer name transformers ask
         sin: torch.Tensor,
         unsqueeze_dim: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cos.shape[-1] == q.shape[-1]:
+            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
         return apply_partial_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+class half_rotary_pos_emb(nn.Module):  # noqa: N801 - a function's layer
+    """GPT-OSS's apply_rotary_pos_emb: rotate-half with cos/sin holding one value per pair
+    ([B, T, D/2]); the kernel gets them repeated ([f, f]) and skips reading the copy."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        unsqueeze_dim: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+class interleaved_rotary_pos_emb(nn.Module):  # noqa: N801 - a function's layer
+    """Cohere's apply_rotary_pos_emb: interleaved pairs, cos/sin already repeated per pair
+    ([c0, c0, c1, c1, ...]); partial when cos is narrower than the head."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        unsqueeze_dim: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_interleaved_rotary_pos_emb(q, k, cos[..., 0::2], sin[..., 0::2], unsqueeze_dim)
+
+
+class half_interleaved_rotary_pos_emb(nn.Module):  # noqa: N801 - a function's layer
+    """GLM's apply_rotary_pos_emb: transformers' [f, f] cos/sin, the first half used per pair,
+    interleaved rotation over cos.shape[-1] dims, the rest of the head passing."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        unsqueeze_dim: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        half = cos.shape[-1] // 2
+        return apply_interleaved_rotary_pos_emb(
+            q, k, cos[..., :half], sin[..., :half], unsqueeze_dim
+        )
 
 
 class SiLU(nn.Module):

@@ -246,18 +246,30 @@ def _cache_arg(model_cls: type) -> str:
 
 
 def logit_scale(model: nn.Module) -> float:
-    """The factor a family's forward applies to ``lm_head``'s output: Cohere multiplies by
-    ``self.logit_scale``, Granite divides by ``config.logits_scaling``; 1.0 for the rest."""
-    scale = getattr(model, "logit_scale", None)
-    scale = 1.0 if scale is None else float(scale)
-    divisor = getattr(model.config, "logits_scaling", None)
-    return scale if divisor is None else scale / float(divisor)
+    """The factor a family's forward applies to ``lm_head``'s output. The loader's structure
+    probe reads it from the forward and sets ``kernels_logit_ops`` on the class: (holder,
+    attribute, "*" or "/") in order (Cohere multiplies by ``self.logit_scale``, Granite divides
+    by ``config.logits_scaling``, HyperCLOVA X multiplies by it). Without that attribute:
+    Cohere's and Granite's conventions."""
+    ops = getattr(model, "kernels_logit_ops", None)
+    if ops is None:
+        ops = (("model", "logit_scale", "*"), ("config", "logits_scaling", "/"))
+    scale = 1.0
+    for holder, attr, op in ops:
+        value = getattr(model if holder == "model" else model.config, attr, None)
+        if value is not None:
+            scale = scale * float(value) if op == "*" else scale / float(value)
+    return scale
 
 
 def _head_logits(
-    model: nn.Module, hidden: torch.Tensor, softcap: float | None, scale: float = 1.0
+    model: nn.Module,
+    hidden: torch.Tensor,
+    softcap: float | None,
+    scale: float = 1.0,
+    head: nn.Module | None = None,
 ) -> torch.Tensor:
-    logits = model.lm_head(hidden)
+    logits = (model.lm_head if head is None else head)(hidden)
     if scale != 1.0:
         logits = logits * scale
     if softcap:
@@ -295,6 +307,7 @@ def fused_causal_lm_loss(
     softcap: float | None,
     kwargs: dict,
     scale: float = 1.0,
+    head: nn.Module | None = None,
 ) -> torch.Tensor:
     """``ForCausalLMLoss`` of ``softcap(scale * lm_head(hidden))`` without materialising the
     logits. The scale multiplies the hidden states (one [tokens, hidden] product, not a
@@ -309,7 +322,7 @@ def fused_causal_lm_loss(
             f"{rows.shape[0]} positions of hidden states but {target.shape[0]} labels; "
             "with labels, pass logits_to_keep=0 (or matching shift_labels)"
         )
-    head = model.lm_head
+    head = model.lm_head if head is None else head
 
     def loss_fn(x: torch.Tensor) -> torch.Tensor:
         weight, bias = head.weight, head.bias
@@ -410,10 +423,16 @@ def _signature(cls: type) -> inspect.Signature:
     return sig
 
 
+def output_head(model: nn.Module) -> nn.Module:
+    """The Linear that makes the logits: ``lm_head``, or the submodule the loader's structure
+    probe named in ``kernels_output_head`` (BERT-style heads: ``cls.predictions.decoder``)."""
+    return model.get_submodule(getattr(model, "kernels_output_head", "lm_head"))
+
+
 @torch.compiler.disable  # swaps lm_head's forward for one call
 def _run_without_logits(model: nn.Module, bound: inspect.BoundArguments) -> tuple:
     """The family's forward with lm_head returning a 0-d placeholder; (output, lm_head input)."""
-    head = model.lm_head
+    head = output_head(model)
     captured: list[torch.Tensor] = []
 
     def keep_input(hidden: torch.Tensor) -> torch.Tensor:
@@ -457,10 +476,22 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     out, hidden = _run_without_logits(model, bound)
     softcap = getattr(model.config, "final_logit_softcapping", None)
     scale = logit_scale(model)
-    loss = fused_causal_lm_loss(model, hidden, labels, softcap, extra, scale)
+    head = output_head(model)
+    if not getattr(model, "kernels_shift_labels", True):
+        # nn.CrossEntropyLoss over labels the caller shifted (BART-style decoders): mean over
+        # the non-ignored tokens, no num_items_in_batch
+        extra = {"shift_labels": labels}
+    loss = fused_causal_lm_loss(model, hidden, labels, softcap, extra, scale, head)
+    aux_spec = getattr(model, "kernels_aux_loss", None)
+    aux = None if isinstance(out, tuple) else out.get("aux_loss")
+    if aux_spec is not None and aux is not None:
+        # the family adds `coef * aux_loss` to the loss only with labels: so do we
+        holder, attr = aux_spec
+        coef = getattr(model if holder == "model" else model.config, attr)
+        loss = loss + coef * aux.to(loss.device)
     logits = None
     if (not model.training) if return_logits is None else return_logits:
-        logits = _head_logits(model, hidden, softcap, scale)
+        logits = _head_logits(model, hidden, softcap, scale, head)
     if isinstance(out, tuple):  # return_dict=False: (logits, *rest) without labels
         return (loss, logits, *out[1:])
     out["loss"] = loss

@@ -393,3 +393,37 @@ def apply_partial_rotary_pos_emb(
         raise ValueError(f"rotary dim {d} does not fit heads of {q.shape[-1]}")
     q_rot, k_rot = apply_rotary_pos_emb(q[..., :d], k[..., :d], cos, sin, unsqueeze_dim)
     return torch.cat((q_rot, q[..., d:]), dim=-1), torch.cat((k_rot, k[..., d:]), dim=-1)
+
+
+def _pairs_to_halves(x: torch.Tensor, d: int) -> torch.Tensor:
+    return torch.cat((x[..., 0:d:2], x[..., 1:d:2]), dim=-1)
+
+
+def _halves_to_pairs(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.stack((x[..., :half], x[..., half:]), dim=-1).flatten(-2)
+
+
+def apply_interleaved_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_pairs: torch.Tensor,
+    sin_pairs: torch.Tensor,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved (GPT-J / Cohere / GLM) RoPE: dims (2i, 2i+1) rotate as a pair by angle i;
+    ``cos_pairs``/``sin_pairs`` [B, T, d/2] hold one value per pair; the first d dims of each
+    head rotate, the rest pass. The pairs are gathered into rotate-half order, rotated by the
+    rotate-half kernel, and scattered back (two extra copies of the rotated dims)."""
+    d = 2 * cos_pairs.shape[-1]
+    if d > q.shape[-1]:
+        raise ValueError(f"rotary dim {d} does not fit heads of {q.shape[-1]}")
+    cos = torch.cat((cos_pairs, cos_pairs), dim=-1)
+    sin = torch.cat((sin_pairs, sin_pairs), dim=-1)
+    q_rot, k_rot = apply_rotary_pos_emb(
+        _pairs_to_halves(q, d), _pairs_to_halves(k, d), cos, sin, unsqueeze_dim
+    )
+    q_rot, k_rot = _halves_to_pairs(q_rot), _halves_to_pairs(k_rot)
+    if d == q.shape[-1]:
+        return q_rot, k_rot
+    return torch.cat((q_rot, q[..., d:]), dim=-1), torch.cat((k_rot, k[..., d:]), dim=-1)
