@@ -47,8 +47,9 @@ def untrusted_redirect(
     org = destination.split("/", 1)[0]
     err = UntrustedPublisher(
         f"{exc.message} ('{source}' redirects to it)",
-        hint=f"trust_remote_code covers '{source}' only; to load the redirect's destination pass "
-        f"trust_remote_code=['{destination}'] or add '{org}' to KERNELS_TRUSTED_PUBLISHERS",
+        hint=f"'{source}' redirects to '{destination}', which trust_remote_code=True does not "
+        f"cover: name '{destination}' in a trust_remote_code list, or add '{org}' to "
+        "KERNELS_TRUSTED_PUBLISHERS",
     )
     err.redirect = (source, destination)
     return err
