@@ -488,7 +488,13 @@ def run_child(setup: str, cmd: list[str], timeout_s: float) -> dict:
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tail: list[str] = []
-    timer = threading.Timer(timeout_s, proc.kill)  # a hung or endlessly tuning setup
+    killed = threading.Event()
+
+    def kill() -> None:  # a hung or endlessly tuning setup
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout_s, kill)
     timer.start()
     try:
         for line in proc.stderr:  # the child's stdout holds one RESULT line: no pipe deadlock
@@ -501,7 +507,7 @@ def run_child(setup: str, cmd: list[str], timeout_s: float) -> dict:
     result = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
     if result is not None:
         row = json.loads(result[7:])
-    elif time.perf_counter() - t >= timeout_s:
+    elif killed.is_set():
         row = {"setup": setup, "error": f"killed after --setup-timeout {timeout_s:.0f} s"}
     else:
         row = {"setup": setup, "error": (tail or ["?"])[-1][:200]}
