@@ -483,11 +483,13 @@ def e2e_child(args) -> dict:
 
 
 def run_child(setup: str, cmd: list[str], timeout_s: float) -> dict:
-    """Run one setup's process, passing its progress lines (stderr) through as they come, and
+    """Run one setup's process, passing its output lines through as they come, and
     return its RESULT, or an error row with the last line it wrote (a crash, or the timeout)."""
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # one pipe for both streams: a child that fills an unread pipe would block
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
+    result = None
     killed = threading.Event()
 
     def kill() -> None:  # a hung or endlessly tuning setup
@@ -497,16 +499,17 @@ def run_child(setup: str, cmd: list[str], timeout_s: float) -> dict:
     timer = threading.Timer(timeout_s, kill)
     timer.start()
     try:
-        for line in proc.stderr:  # the child's stdout holds one RESULT line: no pipe deadlock
+        for line in proc.stdout:
+            if "RESULT " in line:  # after a partial line (a progress bar) too
+                result = line[line.index("RESULT ") + 7 :]
+                continue
             tail = (tail + [line.rstrip()])[-40:]
             print(f"  {setup}: {line.rstrip()}", file=sys.stderr, flush=True)
-        stdout = proc.stdout.read()
         proc.wait()
     finally:
         timer.cancel()
-    result = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
     if result is not None:
-        row = json.loads(result[7:])
+        row = json.loads(result)
     elif killed.is_set():
         row = {"setup": setup, "error": f"killed after --setup-timeout {timeout_s:.0f} s"}
     else:
