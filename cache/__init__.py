@@ -79,7 +79,21 @@ class PruneReport:
 
 
 # Bucket folders whose writers decide what a load imports or trusts (see `exposure`).
-_GUARDED = ("objects", "aliases", "trees", "stamps", "manifests", "index", "refs", "trust", "locks")
+# `kernel-status` decides which repo a load goes on to; `snapshots` which tree a caller of
+# install_kernel is shown.
+_GUARDED = (
+    "objects",
+    "aliases",
+    "trees",
+    "stamps",
+    "manifests",
+    "index",
+    "refs",
+    "trust",
+    "locks",
+    "kernel-status",
+    "snapshots",
+)
 
 
 class Cache:
@@ -113,6 +127,10 @@ class Cache:
         self.all_index = RepoIndex(self.base / "index", self.base / "manifests")
         self.tmp = self.staging.root
         self.locks = self.base / "locks"
+        # Written by the loader (opaque to this package), through make_dirs and atomic writes,
+        # and covered by `exposure` like every other bucket.
+        self.status = self.base / "kernel-status"
+        self.snapshots = self.base / "snapshots"
 
     # -- setup -----------------------------------------------------------------------------
     def ensure(self) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 from kernels.cache import Cache, FileEntry, Manifest
+from kernels.cache.fsutil import make_dirs
 
 from . import local_kernels, python_deps, settings, status, versions
 from .errors import (
@@ -48,7 +49,13 @@ from .select import (
     reject,
 )
 from .spec import KernelSpec, make_spec
-from .trust import TrustArg, dependency_trust, ensure_trusted
+from .trust import (
+    TrustArg,
+    dependency_trust,
+    ensure_trusted,
+    redirect_trust,
+    untrusted_redirect,
+)
 from .variants import SystemInfo, VariantAccepted, detect_system, select_variants
 
 __all__ = [
@@ -167,18 +174,22 @@ def _run(
                 f"'{repo_id}' redirected to '{redirect.destination}'", UserWarning, stacklevel=4
             )
         target = make_spec(redirect.destination, revision=redirect.revision)
-        return _run(
-            cache,
-            target,
-            system,
-            trust_remote_code,
-            network=network,
-            offline=offline,
-            check_arch=check_arch,
-            validate_deps=validate_deps,
-            progress=progress,
-            hops=hops + 1,
-        )
+        try:
+            return _run(
+                cache,
+                target,
+                system,
+                # The caller trusted the repo they named, not wherever its status file points.
+                redirect_trust(trust_remote_code),
+                network=network,
+                offline=offline,
+                check_arch=check_arch,
+                validate_deps=validate_deps,
+                progress=progress,
+                hops=hops + 1,
+            )
+        except UntrustedPublisher as exc:
+            raise untrusted_redirect(exc, repo_id, redirect.destination) from None
     try:
         listing = get_listing(cache, repo_id, commit, offline=offline or not network)
     except OfflineCacheMiss:
@@ -487,13 +498,13 @@ def snapshot_link(cache: Cache, repo_id: str, commit: str, variant: str, tree: P
     The link holds no bytes of its own: what it shows is the tree the load path verified, and a
     pruned tree leaves a dangling link that the next install_kernel repoints.
     """
-    build = cache.base / "snapshots" / repo_id.replace("/", "--") / commit / "build"
+    build = cache.snapshots / repo_id.replace("/", "--") / commit / "build"
     link = build / variant
     try:
         target = os.path.relpath(tree, build)
         if link.is_symlink() and os.readlink(link) == target:
             return link
-        build.mkdir(parents=True, exist_ok=True)
+        make_dirs(build)  # 0755 whatever the umask: the cache's permission check covers it
         staged = build / f".tmp-{variant}-{os.getpid()}-{threading.get_ident()}"
         staged.unlink(missing_ok=True)
         os.symlink(target, staged, target_is_directory=True)

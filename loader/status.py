@@ -11,19 +11,25 @@ and every load of that repo then loads `destination` at `revision` instead, with
 own (trust, resolution, verification); a chain of redirects is followed up to MAX_HOPS.
 
 The file is read at the resolved commit, so its answer never changes for that commit: it is
-fetched once per commit (one request, a 404 for most repos) and recorded in the cache under
-`v1/kernel-status/<org>--<name>/<commit>` (empty: no status file), so warm loads stay free.
-Offline, a commit with no record counts as having no status.
+fetched once per commit and endpoint (one request, a 404 for most repos) and recorded in the
+cache under `v1/kernel-status/<org>--<name>/<commit>-<endpoint key>` (empty: no status file), so
+warm loads stay free. The record is the endpoint's answer, like every other record: a mirror's
+redirect is never followed at another endpoint. Offline, a commit with no record counts as having
+no status.
+
+A redirect decides which repo's code runs, so the record sits in a cache bucket that only the user
+and root can write (the cache's `exposure` check covers `kernel-status/`), and the destination gets
+a trust decision of its own (api.py: `trust_remote_code=True` names the caller's repo only).
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.cache import Cache
+from kernels.cache.fsutil import atomic_write_bytes
+from kernels.cache.records import endpoint_key
 
 from .errors import KernelNotFound, KernelStatusError
 from .spec import validate_repo_id, validate_revision
@@ -70,7 +76,8 @@ def parse(text: str, *, where: str = FILENAME) -> Redirect:
 
 
 def _record_path(cache: Cache, repo_id: str, commit: str) -> Path:
-    return cache.base / "kernel-status" / repo_id.replace("/", "--") / commit
+    key = endpoint_key(cache.endpoint or "")
+    return cache.status / repo_id.replace("/", "--") / f"{commit}-{key}"
 
 
 def _fetch(repo_id: str, commit: str) -> bytes:
@@ -104,10 +111,7 @@ def _fetch(repo_id: str, commit: str) -> bytes:
 def _store(cache: Cache, path: Path, data: bytes) -> None:
     try:
         cache.ensure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staged = path.with_name(f".tmp-{path.name}-{os.getpid()}-{threading.get_ident()}")
-        staged.write_bytes(data)
-        os.replace(staged, path)
+        atomic_write_bytes(path, data)  # folders 0755 and the file 0644 whatever the umask
     except OSError:
         pass  # a read-only cache still answers this process; the next load asks again
 

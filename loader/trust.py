@@ -9,7 +9,8 @@ user and root can write (guard.open_cache refuses any other), so a cache writer 
 
 `trust_remote_code=True` covers the repo it is passed with, not the kernels that repo declares
 as dependencies: each dependency needs its own decision (a list naming it, the allowlist, or
-the Hub's flag), so a trusted kernel cannot pull in an untrusted org's code.
+the Hub's flag), so a trusted kernel cannot pull in an untrusted org's code. The same holds for
+the destination of a kernel-status.toml redirect: whoever can commit to the named repo chooses it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,30 @@ def dependency_trust(trust_remote_code: TrustArg) -> TrustArg:
     """What a kernel's `trust_remote_code` says about its dependencies: a list names repos and
     orgs, so it applies to them as well; `True` names only the repo it was passed with."""
     return trust_remote_code if isinstance(trust_remote_code, (list, tuple)) else False
+
+
+def redirect_trust(trust_remote_code: TrustArg) -> TrustArg:
+    """What `trust_remote_code` says about a redirect's destination: what it says about a
+    dependency (a list applies to the repos and orgs it names; `True` to the named repo only)."""
+    return dependency_trust(trust_remote_code)
+
+
+def untrusted_redirect(
+    exc: UntrustedPublisher, source: str, destination: str
+) -> UntrustedPublisher:
+    """`exc` (the destination's refusal) with a hint naming the redirect; the innermost redirect
+    of a chain names it, an outer one leaves it as it is."""
+    if getattr(exc, "redirect", None) is not None:
+        return exc
+    org = destination.split("/", 1)[0]
+    err = UntrustedPublisher(
+        f"{exc.message} ('{source}' redirects to it)",
+        hint=f"'{source}' redirects to '{destination}', which trust_remote_code=True does not "
+        f"cover: name '{destination}' in a trust_remote_code list, or add '{org}' to "
+        "KERNELS_TRUSTED_PUBLISHERS",
+    )
+    err.redirect = (source, destination)
+    return err
 
 
 def explicitly_trusted(repo_id: str, trust_remote_code: TrustArg) -> bool:
