@@ -43,6 +43,7 @@ def build_mlp(hidden: int, inter: int, dtype: torch.dtype, device: str):
         hidden_act="gelu_pytorch_tanh",
         num_attention_heads=1,
         num_key_value_heads=1,
+        head_dim=64,
     )
     mlp = LlamaMLP(cfg)
     with torch.no_grad():
