@@ -105,8 +105,14 @@ MUTATIONS = [
         "rms-norm-dw-dropped",
         "issue 20.2: every RMSNorm weight gradient zeroed",
         f"{TRAINING}/rms_norm.py",
-        "        return dx, (dw if need_dw else None), None, None, None\n",
-        "        return dx, (torch.zeros_like(dw) if need_dw else None), None, None, None\n",
+        # _backward_any: the one backward both the eager autograd function and the custom op
+        # (and the fused add + RMSNorm) go through, Triton or torch path alike.
+        "        return backward(dy, x, weight, rstd, gemma, compute_dw, None, from_y, x_dtype, ds, in_place)\n"
+        "    return _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y, x_dtype, ds, in_place)\n",
+        "        dx, dw = backward(dy, x, weight, rstd, gemma, compute_dw, None, from_y, x_dtype, ds, in_place)\n"
+        "    else:\n"
+        "        dx, dw = _torch_backward(dy, x, weight, rstd, gemma, compute_dw, from_y, x_dtype, ds, in_place)\n"
+        "    return dx, torch.zeros_like(dw)\n",
         cpu=("tests/test_training_integration.py", "-k", "liger_style"),
         gpu=(GPU_KERNELS, "-k", "first_step_gradients"),
     ),

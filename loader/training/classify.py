@@ -237,8 +237,27 @@ def experts_verdict(
         return None
     if available("MoEExperts"):
         return Verdict("experts", None, "no experts kernel in this build")
+    if not _routed_experts_forward(type(module)):
+        # Llama4's experts take tokens already sorted per expert (forward(hidden_states)): the
+        # layer, called with transformers' (hidden_states, top_k_index, top_k_weights), cannot
+        # replace that forward, and binding it would fail the whole model.
+        return Verdict(
+            "experts", None, "forward is not (hidden_states, top_k_index, top_k_weights)"
+        )
     reason = experts_check(module) if experts_check is not None else None
     return Verdict("experts", None, reason) if reason else Verdict("experts", "MoEExperts")
+
+
+def _routed_experts_forward(cls: type) -> bool:
+    """Whether ``cls.forward`` takes transformers' routed-experts arguments: three positional
+    parameters after self (hidden states, top-k expert indices, top-k weights)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 3 and all(
+        p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params
+    )
 
 
 # Lines a *ForCausalLM forward may have between lm_head and the loss, and what each needs.

@@ -149,8 +149,11 @@ def test_gemma_rms_norm_and_layer_norm(kt, dtype, launches):
     for name, out, ref in zip(("y", "dx", "dw"), (y, *grads), (y64, *refs), strict=True):
         check(out, ref, dtype, f"gemma {name}")
 
-    launches.assert_launched("_rms_norm_fwd_kernel", GEMMA=True)
-    launches.assert_launched("_rms_norm_bwd_kernel", GEMMA=True)
+    # Gemma numerics are the kernels' MODE constexpr (casting mode "gemma"); its offset 1.0 is a
+    # runtime argument, not a launch option, so the (1 + w) values above are what check it.
+    gemma_mode = submodule(kt, "rms_norm").GEMMA
+    launches.assert_launched("_rms_norm_fwd_kernel", MODE=gemma_mode)
+    launches.assert_launched("_rms_norm_bwd_kernel", MODE=gemma_mode)
 
     y = kt.layer_norm(x, w, bias, 1e-5)
     grads = torch.autograd.grad(y, (x, w, bias), dy)

@@ -181,3 +181,15 @@ def test_undecorated_rotary_functions_are_found_probed_and_routed_per_caller(fam
         assert torch.equal(a, b)
     # new instances list it too
     assert "rotary_pos_emb" in family.PartialAttention().__dict__["_kernel_funcs"]
+
+
+def test_experts_map_to_moe_experts_only_with_the_routed_forward():
+    """qwen3_moe's experts take (hidden_states, top_k_index, top_k_weights): MoEExperts. Llama4's
+    have the same 3-D weights but forward(hidden_states) over pre-sorted tokens: unbound."""
+    from tests.models.registry import build
+
+    for model_type, layer in (("qwen3_moe", "MoEExperts"), ("llama4_text", None)):
+        plan = classify(build(model_type))
+        (verdict,) = [v for c, v in plan.classes.items() if c.__name__.endswith("Experts")]
+        assert (verdict.kind, verdict.layer) == ("experts", layer), model_type
+        assert bool(verdict.reason) == (layer is None)

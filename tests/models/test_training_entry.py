@@ -137,3 +137,21 @@ def test_generic_head_adds_the_familys_aux_loss(mirror):
     outcome = run_one("granitemoe", overrides=router)
     assert outcome.status == "match", outcome
     assert "CausalLMHead" in outcome.bound, outcome
+
+
+def test_llama4_experts_with_their_own_forward_stay_unbound_and_the_rest_binds(mirror):
+    """Llama4's experts hold 3-D gate_up_proj/down_proj like transformers' routed experts, but
+    their forward takes tokens already sorted per expert (hidden_states only): MoEExperts cannot
+    replace it. They are reported unbound with why; the norms, MLP and head still bind and the
+    model trains as the family's own does."""
+    plain, ours = build("llama4_text"), build("llama4_text")
+    ours.load_state_dict(plain.state_dict())
+    report = kernels.apply_training_kernels(ours)
+    experts = [e for e in report if type(ours.get_submodule(e.path)).__name__.endswith("Experts")]
+    assert experts and all(e.status == "original" for e in experts)
+    assert "top_k_index" in experts[0].reason
+    assert {"RMSNorm", "SwiGLUMLP"} <= {e.layer_name for e in report if e.status == "bound"}
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(2)]
+    for a, b in zip(train_steps(ours, batches, 2), train_steps(plain, batches, 2), strict=True):
+        assert a == pytest.approx(b, rel=1e-4)
