@@ -259,7 +259,8 @@ def resolve_revision(repo_id: str, revision: str) -> str:
             raise HubUnavailable(f"{repo_id}@{revision}: the Hub sent no commit id")
         if not is_commit_id(sha):
             raise UnsafeResponse(
-                f"{repo_id}@{revision}: the server's commit id {sha!r:.60} is malformed"
+                f"{repo_id}@{revision}: the server at {settings.endpoint()} answered a malformed "
+                f"commit id {sha!r:.60} (not 40 lowercase hex digits)"
             )
         return sha
 

@@ -100,8 +100,8 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
         raise _explain_missing_revision(repo_id, ref, spec.version, exc) from exc
     if not isinstance(commit, str) or not is_commit(commit):
         raise IntegrityError(
-            f"{repo_id}@{ref}: the server at {settings.endpoint()} answered the commit id "
-            f"{str(commit)[:80]!r}, which is not 40 lowercase hex digits",
+            f"{repo_id}@{ref}: the server at {settings.endpoint()} answered a malformed commit "
+            f"id {str(commit)[:80]!r} (not 40 lowercase hex digits)",
             hint="refusing it; check HF_ENDPOINT, and report the server if it is yours",
         )
     try:

@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/kernels-test.XXXXXX")
+# mktemp makes it 0700; the tests that act as another user (`nobody`) reach their shared folders
+# through it, so others may pass through it (not list it).
+chmod 0711 "$scratch"
 trap 'rm -rf "$scratch"' EXIT
 .venv/bin/python -c 'import torch
 cuda = torch.version.cuda and torch.cuda.is_available()

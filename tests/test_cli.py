@@ -575,11 +575,22 @@ def test_json_on_every_command_that_prints_data(hub, repos, tmp_path):
         "lockfile": str(project / "kernels.lock"),
         "stale": [],
         "kernels": [
-            {"repo_id": "kernels-test/relu", "commit": repos["v1"], "variants": ["torch-cpu"]}
+            {
+                "repo_id": "kernels-test/relu",
+                "commit": repos["v1"],
+                "variants": ["torch-cpu"],
+                "verified": True,  # `kernels lock` writes file digests, which sync checks
+            }
         ],
     }
     verify = json.loads(cli("verify", "--json").stdout)
-    assert verify == {"mode": "stamps", "checked": 1, "corrupt": [], "repaired": []}
+    assert verify == {
+        "mode": "stamps",
+        "checked": 1,
+        "corrupt": [],
+        "repaired": [],
+        "unsafe": None,  # the folder others could write, when there is one
+    }
     prune = json.loads(cli("prune", "--dry-run", "--json").stdout)
     assert prune["dry_run"] is True and prune["trees"] == []
     assert sorted(prune) == ["bytes", "dry_run", "objects", "trees"]
@@ -662,7 +673,14 @@ def test_verify_names_the_repair_and_repair_works(hub, repos, tmp_path):
 
 def test_versions_falls_back_to_the_cache_when_the_hub_is_down(hub, repos):
     cli("pull", "kernels-test/relu@v1")
-    out = cli("versions", "kernels-test/relu", "--json", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    # The same endpoint goes down: records are per endpoint, another URL has none to fall back on.
+    from kernels.serve.faults import FaultPlan
+
+    hub.server.faults = FaultPlan.parse("reset:1")
+    try:
+        out = cli("versions", "kernels-test/relu", "--json")
+    finally:
+        hub.server.faults = None
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["source"] == "cache (the Hub is unreachable)"

@@ -42,4 +42,7 @@ def test_two_ranks_share_one_download_and_train_like_eager(hub, tmp_path):
     gets = Counter(path for method, path in hub.requests if method == "GET" and "/resolve/" in path)
     assert gets and set(gets.values()) == {1}, gets  # each file once for both ranks
     api = [path for _method, path in hub.requests if path.startswith("/api/")]
-    assert len(api) == 3, api  # revision, publisher, listing: the requests of one process
+    # revision, publisher, listing, and refs (the newer-version check of a cache's first
+    # version=N resolve): the requests of one process
+    assert len(api) == 4, api
+    assert sum(path.endswith("/refs") for path in api) == 1, api

@@ -110,21 +110,27 @@ def test_full_tmpfs_is_a_cache_error_and_nothing_half_written(hub, repos, tmp_pa
             out = _run(cli_argv("pull", f"{REPO}@v1"), _env(cache))
             if out.returncode == 0:  # it fitted
                 assert installed_variants(cache), size_kib
-            else:
+                outcomes[size_kib] = "fitted"
+            elif "needs" in out.stderr:  # the listed sizes exceed the free space: refused first
+                assert_user_error(out, "needs", "has", "free disk space")
+                assert installed_variants(cache) == [], size_kib
+                outcomes[size_kib] = "InsufficientSpace"
+            else:  # the files fit by size, but the writes (files plus records) ran out of space
                 assert_user_error(out, "cannot write to the cache", "no space left")
                 assert installed_variants(cache) == [], size_kib
+                outcomes[size_kib] = "CacheError"
             _assert_nothing_half_written(cache)
-            outcomes[size_kib] = "fitted" if out.returncode == 0 else "CacheError"
             _remount(cache, "size=16m")  # space freed: the next pull completes
             assert _run(cli_argv("pull", f"{REPO}@v1"), _env(cache)).returncode == 0
             assert json.loads(_run(python_argv(LOAD), _env(cache)).stdout) == [9, DIGESTS]
             _assert_nothing_half_written(cache)
-    assert "CacheError" in outcomes.values()
+    assert {"InsufficientSpace", "CacheError"} <= set(outcomes.values()), outcomes
     record(
         "full disk (the cache on a tmpfs of 8 KiB up to just past what it needs), then freed",
         len(outcomes),
         sizes_kib=f"{FULL_SIZES_KIB[0]}..{FULL_SIZES_KIB[-1]}",
         fitted=sum(v == "fitted" for v in outcomes.values()),
+        insufficient_space=sum(v == "InsufficientSpace" for v in outcomes.values()),
         cache_error=sum(v == "CacheError" for v in outcomes.values()),
     )
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from kernels import hub as hub_client
+from kernels import settings
 from kernels.cache import Cache, FileEntry, Manifest
 from kernels.cli.main import main as kernels_main
 from kernels.errors import UnsafeResponse
@@ -58,7 +59,9 @@ def _plant(cache: Cache, repo: str, commit: str, variant: str, data: bytes) -> N
 
 
 def test_export_and_ls_skip_a_cached_entry_with_a_malformed_commit(tmp_path, capsys):
-    cache = Cache(os.environ["KERNELS_CACHE"])
+    # Planted for the session's endpoint: export copies that endpoint's variants only (records
+    # are scoped to the server that answered them), so an unscoped entry would not be seen.
+    cache = Cache(os.environ["KERNELS_CACHE"], endpoint=settings.endpoint())
     cache.ensure()
     good = "a" * 40
     _plant(cache, "evil/relu", good, "torch-universal", b"VALUE = 1\n")
