@@ -212,7 +212,9 @@ def tree_files(root: Path) -> list[str]:
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
             cwd=root, check=True, capture_output=True,
         )  # fmt: skip
-        return [p for p in out.stdout.decode().split("\0") if p and (root / p).is_file()]
+        listed = [p for p in out.stdout.decode().split("\0") if p and (root / p).is_file()]
+        if listed:  # empty when root is an ignored folder inside another repository
+            return listed
     except (OSError, subprocess.CalledProcessError):
         pass
     files = []
@@ -233,7 +235,9 @@ def make_scratch(root: Path, dest: Path) -> dict[str, str]:
     (shim / "kernels").symlink_to(dest / "loader", target_is_directory=True)
     (dest / "loader" / "cache").symlink_to(dest / "cache", target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
-    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(dest)])
+    # The caller's own PYTHONPATH (e.g. wheels unpacked on a GPU machine) stays, after the copy.
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(dest), *inherited])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     probe = subprocess.run(
         [sys.executable, "-c", "import kernels, kernels.cache; print(kernels.__file__); "
