@@ -327,6 +327,5 @@ from .loss_layers import (  # noqa: E402, F401
     MoEForCausalLM,
 )
 
-
 # Mixture-of-experts experts with fused 3-D weights (moe.py).
 from .moe import MoEExperts  # noqa: E402, F401
