@@ -22,7 +22,7 @@ from types import ModuleType
 from kernels.cache import Cache, FileEntry, Manifest
 from kernels.cache.fsutil import make_dirs
 
-from . import local_kernels, python_deps, settings, status, versions
+from . import local_kernels, settings, status
 from .errors import (
     HubUnavailable,
     IntegrityError,
@@ -84,6 +84,13 @@ class Installed:
     tree: Path
     metadata: Metadata
     trace: list
+
+
+def _check_allowed(metadata: Metadata, backend: str) -> None:
+    """The dependency allow-list; imported only for kernels that declare Python dependencies."""
+    from .python_deps import check_allowed
+
+    check_allowed(metadata, backend)
 
 
 @functools.lru_cache(maxsize=8)
@@ -234,8 +241,8 @@ def _run(
                 continue
         manifest, tree = found
         metadata = Metadata.read(tree / "metadata.json")
-        if validate_deps:
-            python_deps.check_allowed(metadata, system.backend)
+        if validate_deps and metadata.python_depends:
+            _check_allowed(metadata, system.backend)
         reason = check_metadata(metadata, system, check_arch=check_arch) or check_native(tree)
         if reason:
             # Falling back to a lesser variant is a decision the user should see once.
@@ -273,8 +280,8 @@ def _install(
         metadata = Metadata.from_bytes(
             data, where=f"{repo_id}@{commit[:12]}/{variant}/metadata.json"
         )
-        if validate_deps:
-            python_deps.check_allowed(metadata, system.backend)
+        if validate_deps and metadata.python_depends:
+            _check_allowed(metadata, system.backend)
         reason = check_metadata(metadata, system, check_arch=check_arch)
         if reason:
             raise _Rejected(reason)
@@ -326,7 +333,9 @@ def _ensure_installed(
             if spec.version is not None and first_resolution and found.resolution.networked:
                 # Only when this cache first resolves the version with the Hub: warm loads and
                 # TTL re-checks keep their request counts (zero and one).
-                versions.warn_if_outdated(spec.repo_id, spec.version)
+                from .versions import warn_if_outdated  # cold path only: kept off import
+
+                warn_if_outdated(spec.repo_id, spec.version)
             return found
         except HubUnavailable as exc:
             try:

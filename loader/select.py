@@ -16,7 +16,6 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from . import python_deps
 from ._version import __version__
 from .errors import NoCompatibleVariant
 from .metadata import Metadata
@@ -51,7 +50,11 @@ def check_python_depends(metadata: Metadata, *, backend: str | None = None) -> N
     """Raise UnsupportedDependency (a ValueError) for a declared Python dependency outside the
     allow-list, MissingDependency (an ImportError) for an allowed one that is not installed.
     `backend` is the selected backend kind (default: this machine's)."""
-    python_deps.check_installed(metadata, backend or _detected_backend())
+    if not metadata.python_depends:
+        return  # the common case: no import of the allow-list
+    from .python_deps import check_installed
+
+    check_installed(metadata, backend or _detected_backend())
 
 
 def warn_if_dirty(metadata: Metadata, variant: str) -> None:

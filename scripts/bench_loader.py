@@ -56,13 +56,21 @@ class Server:
     def __init__(self, python: str, mirror: Path):
         # The request log is readable over HTTP only with this token.
         self.token = {"X-Mirror-Token": secrets.token_hex(16)}
+        self.python, self.mirror = python, mirror
+        self.url = self._start("0")
+
+    def _start(self, port: str) -> str:
         self.proc = subprocess.Popen(
-            [python, "-m", "kernels.cli.main", "serve", str(mirror), "--port", "0"],
+            [self.python, "-m", "kernels.cli.main", "serve", str(self.mirror), "--port", port],
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "KERNELS_SERVE_TOKEN": self.token["X-Mirror-Token"]},
         )
-        self.url = self.proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+        return self.proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+
+    def restart(self) -> None:
+        """Serve again at the same URL (after `stop`): the Hub came back."""
+        self._start(self.url.rsplit(":", 1)[-1])
 
     def take_requests(self) -> list:
         log = urllib.request.Request(f"{self.url}/_mirror/requests", headers=self.token)
@@ -190,7 +198,11 @@ def measure(name: str, python: str, mirror: Path, base: Path) -> dict:
         off = load(python, env_for(work, server.url, HF_HUB_OFFLINE="1"))
         row["offline"] = "works" if off.get("ok") else f"fails: {off.get('error', '')[:70]}"
         # Hub unreachable, kernel cached
-        down = load(python, env_for(work, "http://127.0.0.1:9", KERNELS_RESOLVE_TTL="0"))
+        # The same endpoint goes away (records are kept per endpoint, so another URL would be
+        # another Hub with nothing cached for it).
+        server.stop()
+        down = load(python, env_for(work, server.url, KERNELS_RESOLVE_TTL="0"))
+        server.restart()
         row["down"] = (
             f"works ({down['load_s']:.2f} s)"
             if down.get("ok")
