@@ -224,6 +224,17 @@ sysconfig.get_config_vars(), platform.machine()  # read the interpreter's own fi
 import kernels, kernels.api, kernels.fetch, kernels.resolve, kernels.trust, kernels.importer
 import kernels.select, kernels.variants, kernels.metadata, kernels.native_abi, kernels.notices
 import kernels.cli.main, kernels.cli.pull, kernels.cli.common, kernels.cli.cache_cmds
+# Every other module of the package too: lazy imports (a CLI hint, a cache part) would otherwise
+# read the checkout as `nobody`, who may not enter it (a clone in a 0700 temp folder).
+import importlib, pkgutil, kernels.cache
+_mods = [*pkgutil.walk_packages(kernels.__path__, "kernels.")]
+_mods += pkgutil.walk_packages(kernels.cache.__path__, "kernels.cache.")
+for _mod in _mods:
+    if not _mod.name.startswith(("kernels.training", "kernels.layers", "kernels.serve")):
+        try:
+            importlib.import_module(_mod.name)
+        except ImportError:  # an optional extra (e.g. sigstore) that this run does not need
+            pass
 kernels.variants.detect_system()  # imports what describing this machine needs
 # and what talking to the Hub needs (a stale record or an uncached kernel goes online)
 import threading, http.server
