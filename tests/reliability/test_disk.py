@@ -230,7 +230,9 @@ import importlib, pkgutil, kernels.cache
 _mods = [*pkgutil.walk_packages(kernels.__path__, "kernels.")]
 _mods += pkgutil.walk_packages(kernels.cache.__path__, "kernels.cache.")
 for _mod in _mods:
-    if not _mod.name.startswith(("kernels.training", "kernels.layers", "kernels.serve")):
+    if not _mod.name.startswith(("kernels.training", "kernels.layers", "kernels.serve")) and (
+        not _mod.name.endswith("__main__")  # importing it would run the command line
+    ):
         try:
             importlib.import_module(_mod.name)
         except ImportError:  # an optional extra (e.g. sigstore) that this run does not need
