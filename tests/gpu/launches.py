@@ -5,7 +5,8 @@ formulas, so a bug that routes tensors to the fallback passes them. `TritonLaunc
 launches themselves:
 
 - every ``kernel[grid](...)`` of the named ``@triton.jit`` kernels of the given modules goes
-  through the kernel object's ``run``; wrapping it records the kernel's name, the grid and the
+  through the kernel object's ``run`` (a ``fast_launch`` wrapper's direct launches are switched
+  off while recording, so they take that path too); wrapping it records the kernel's name, the grid and the
   keyword launch options (constexprs such as BLOCK_M, and num_warps). This works for compiled
   kernels and for the CPU interpreter alike;
 - on a GPU, Triton's launch-enter hook also counts the launches the driver made, by kernel name,
@@ -42,7 +43,12 @@ def _jit_kernels(module: types.ModuleType) -> dict[str, Any]:
         kinds += (InterpretedFunction,)
     except ImportError:  # a triton without the interpreter module
         pass
-    return {name: obj for name, obj in vars(module).items() if isinstance(obj, kinds)}
+    found = {}
+    for name, obj in vars(module).items():
+        inner = getattr(obj, "__dict__", {}).get("fn")  # a fast_launch wrapper's JITFunction
+        if isinstance(obj, kinds) or isinstance(inner, kinds):
+            found[name] = obj
+    return found
 
 
 def _add_launch_hook(hook: Callable[[Any], None]) -> Callable[[], None]:
@@ -112,6 +118,11 @@ class TritonLaunches:
             self._undo.pop()()
 
     def _wrap(self, name: str, kernel: Any) -> None:
+        if "compiled" in getattr(kernel, "__dict__", {}):  # fast_launch: record via Triton's path
+            wrapper, kernel = kernel, kernel.fn
+            enabled = wrapper.enabled
+            wrapper.enabled = False
+            self._undo.append(lambda: setattr(wrapper, "enabled", enabled))
         original = kernel.run  # bound method of the class; the wrapper shadows it per instance
 
         def run(*args, grid, warmup=False, **kwargs):

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, use_triton
+from ._common import cdiv, fast_launch, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -128,6 +128,7 @@ def _write_grad(
         )
 
 
+@fast_launch
 @triton.jit
 def _ce_fwd_kernel(
     logits_ptr,
@@ -363,6 +364,7 @@ def _ce_fwd_kernel(
                     )
 
 
+@fast_launch
 @triton.jit
 def _scale_kernel(x_ptr, numel, row_len, g_ptr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
     """x *= g over a contiguous tensor: one g, or g[i // row_len] when PER_ROW (one per row).

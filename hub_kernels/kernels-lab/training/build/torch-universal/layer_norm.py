@@ -14,10 +14,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, next_pow2, op_name, pick_config, sm_count
+from ._common import as_rows, cdiv, fast_launch, next_pow2, op_name, pick_config, sm_count
 from .rms_norm import bwd_candidates, column_sum, fwd_config, use_triton_rows
 
 
+@fast_launch
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, W, B, Y, MEAN, RSTD, M, N, stride_x, stride_y, eps,
@@ -59,6 +60,7 @@ def _load_rows(
     return dy, x, mean, rstd
 
 
+@fast_launch
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N,

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._common import cdiv, op_name, use_triton
+from ._common import cdiv, fast_launch, op_name, use_triton
 from .swiglu import (
     GELU_ERF,
     GELU_TANH,
@@ -65,6 +65,7 @@ _GELU_ERF_NAMES = {"GELUActivation"}
 CLAMPED_SWIGLU = 3
 
 
+@fast_launch
 @triton.jit
 def _combine_kernel(
     Y, POS, W, IDS, BIAS, OUT, H, K, E, stride_y,
@@ -101,6 +102,7 @@ def _gate_columns(cols, N, INTERLEAVED: tl.constexpr):
     return ca, cb
 
 
+@fast_launch
 @triton.jit
 def _gate_fwd_kernel(
     GU, BIAS, IDS, HOUT, S, N, E, alpha, limit,
@@ -144,6 +146,7 @@ def _gate_fwd_kernel(
         tl.store(HOUT + rows[:, None] * N + cols[None, :], h.to(HOUT.dtype.element_ty), mask=m)
 
 
+@fast_launch
 @triton.jit
 def _gate_bwd_kernel(
     G, GU, W, IDS, DGU, DW, S, N, E, alpha, limit,

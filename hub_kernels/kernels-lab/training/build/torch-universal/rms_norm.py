@@ -36,6 +36,7 @@ from ._common import (
     as_rows,
     cached_config,
     cdiv,
+    fast_launch,
     next_pow2,
     op_name,
     pick_config,
@@ -74,6 +75,7 @@ def resolve_numerics(gemma: bool, offset: float, casting_mode: str | None) -> tu
     return float(offset), mode
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, stride_y, stride_s, eps, offset,
@@ -131,6 +133,7 @@ def _load_rows(
     return dy, x, rstd, ds
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PART, DS, M, N, stride_dy, stride_x, stride_dx, stride_ds,
@@ -211,6 +214,7 @@ def _rms_norm_bwd_kernel(
             tl.store(DW_PART + pid * N + cols, dw, mask=cmask)
 
 
+@fast_launch
 @triton.jit
 def _column_sum_kernel(PART, OUT, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """OUT[n] = sum_p PART[p, n], cast to OUT's dtype (second stage of a dW/dB reduction)."""

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, next_pow2, op_name, pick_config, use_triton
+from ._common import as_rows, cdiv, fast_launch, next_pow2, op_name, pick_config, use_triton
 
 
 @triton.jit
@@ -41,6 +41,7 @@ def _store_rotated(P, x1, x2, c1, c2, s1, s2, mask, HALF: tl.constexpr):
     tl.store(P + HALF, o2.to(P.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, REPEATS, n_tokens, T,
@@ -113,6 +114,7 @@ def _rope_kernel(
         _store_rotated(pko, k1, k2, c1, c2, s1, s2, km, HALF)
 
 
+@fast_launch
 @triton.jit
 def _halves_differ_kernel(
     C, S, FLAG, n_rows, sc_r, ss_r,

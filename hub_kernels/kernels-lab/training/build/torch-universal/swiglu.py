@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, flat, op_name, use_triton
+from ._common import as_rows, cdiv, fast_launch, flat, op_name, use_triton
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 
@@ -71,6 +71,7 @@ def _offsets(offs, N, stride, CONTIG: tl.constexpr):
     return o
 
 
+@fast_launch
 @triton.jit
 def _glu_fwd_kernel(
     A, B, C, numel, N, stride_a, stride_b,
@@ -84,6 +85,7 @@ def _glu_fwd_kernel(
     tl.store(C + offs, (h * b).to(C.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _glu_bwd_kernel(
     DC, A, B, DA, DB, C, numel, N, stride_a, stride_b, stride_da, stride_db,
@@ -105,6 +107,7 @@ def _glu_bwd_kernel(
         tl.store(C + offs, (h * b).to(C.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -113,6 +116,7 @@ def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Y + offs, _act(x, ACT).to(Y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _act_bwd_kernel(DY, X, DX, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -1,0 +1,131 @@
+"""`fast_launch` (the training kernels' launcher that skips Triton's per-call binding) on a GPU.
+
+A launch that reuses a compiled kernel must only ever reuse one Triton itself would have picked:
+these tests change each thing Triton specialises on (pointer alignment, an int equal to 1 or a
+multiple of 16, an int past int32, a dtype, a constexpr) and check the results, and they prove
+the direct path is taken by making Triton's own launch path raise once a specialisation is known.
+Run in its own pytest process (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+COMMON = (
+    Path(__file__).resolve().parents[2]
+    / "hub_kernels/kernels-lab/training/build/torch-universal/_common.py"
+)
+
+
+@pytest.fixture(scope="module")
+def common():
+    spec = importlib.util.spec_from_file_location("_fast_launch_gpu_common", COMMON)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def scaled_copy(common):
+    import triton
+    import triton.language as tl
+
+    @common.fast_launch
+    @triton.jit
+    def kernel(X, Y, n, step, scale, BLOCK: tl.constexpr, NEGATE: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + offs * step, mask=mask).to(tl.float32) * scale
+        if NEGATE:
+            x = -x
+        tl.store(Y + offs, x.to(Y.dtype.element_ty), mask=mask)
+
+    return kernel
+
+
+def run(kernel, x, n, step, scale=2.0, negate=False, block=128):
+    y = torch.zeros(n, dtype=x.dtype, device=x.device)
+    kernel[(triton_cdiv(n, block),)](x, y, n, step, scale, BLOCK=block, NEGATE=negate)
+    ref = x[: n * step : step].float() * scale
+    return y, (-ref if negate else ref).to(x.dtype)
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def forbid_triton_path(kernel):
+    """Make Triton's own launch path raise: only the direct launcher can succeed now."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Triton's launch path was taken for a known specialisation")
+
+    kernel.fn.run = refuse
+    return lambda: vars(kernel.fn).pop("run", None)
+
+
+def test_known_specialisation_launches_directly(scaled_copy):
+    x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    y, ref = run(scaled_copy, x, 1000, 3)  # compiles and records the specialisation
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    restore = forbid_triton_path(scaled_copy)
+    try:
+        x2 = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+        for n in (1000, 999, 5):  # other values of the same specialisation (none is 1 or 16k)
+            y, ref = run(scaled_copy, x2, n, 3, scale=0.5)
+            torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    finally:
+        restore()
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["misaligned pointer", "int == 1", "int % 16 == 0", "dtype", "constexpr", "int past int32"],
+)
+def test_each_specialisation_change_compiles_anew(scaled_copy, change):
+    base = torch.randn(8192, device="cuda", dtype=torch.bfloat16)
+    run(scaled_copy, base, 1000, 3)
+    known = len(scaled_copy.compiled)
+    x, n, step, negate = base, 1000, 3, False
+    if change == "misaligned pointer":
+        x = base[1:]  # 2 bytes past a 16-byte boundary
+    elif change == "int == 1":
+        step = 1
+    elif change == "int % 16 == 0":
+        n = 1024
+    elif change == "dtype":
+        x = base.half()
+    elif change == "constexpr":
+        negate = True
+    elif change == "int past int32":
+        # A step past int32 needs i64 arithmetic; only offset 0 is read (n = 1).
+        n, step = 1, 2**31 + 7
+    y, ref = run(scaled_copy, x, n, step, negate=negate)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    assert len(scaled_copy.compiled) == known + 1, "a new specialisation must get its own entry"
+
+
+def test_launch_hooks_take_tritons_path(common, scaled_copy):
+    """A profiler's launch hook must see every launch: with one set, Triton's path is taken."""
+    from tests.gpu.launches import _add_launch_hook
+
+    x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    run(scaled_copy, x, 1000, 3)
+    seen = []
+    remove = _add_launch_hook(seen.append)
+    try:
+        run(scaled_copy, x, 1000, 3)
+    finally:
+        remove()
+    assert len(seen) == 1
