@@ -15,29 +15,32 @@ def common(kt):
     return sys.modules[kt.__name__ + "._common"]
 
 
+def key(common, *args):
+    return common.spec_key(args, {})
+
+
 def test_int_keys_separate_what_triton_specialises(common):
-    spec = common._arg_spec
-    assert spec(1) != spec(3)  # == 1
-    assert spec(32) != spec(33)  # multiple of 16
-    assert spec(3) == spec(5)  # nothing Triton tells apart
-    assert spec(2**31 + 1) != spec(3)  # int64
-    assert spec(2**63 + 1) != spec(2**31 + 1)  # uint64
-    assert spec(True) != spec(1)  # bool is its own type
-    assert spec(1.0) != spec(1)
+    assert key(common, 1) != key(common, 3)  # == 1
+    assert key(common, 32) != key(common, 33)  # multiple of 16
+    assert key(common, 3) == key(common, 5)  # nothing Triton tells apart
+    assert key(common, 7, 2**31 + 1) != key(common, 7, 3)  # int64
+    assert key(common, 2**63 + 1) != key(common, 2**31 + 1)  # uint64
+    assert key(common, True) != key(common, 1)  # bool is its own type
+    assert key(common, 1.0) != key(common, 1)
+    assert key(common, 3, 1) != key(common, 1, 3)  # positions count
 
 
 def test_tensor_keys_separate_dtype_and_alignment(common):
     x = torch.zeros(64, dtype=torch.bfloat16)
-    spec = common._arg_spec
-    assert spec(x) != spec(x[1:])  # 2 bytes off a 16-byte boundary
-    assert spec(x) == spec(x[8:])  # 16 bytes on
-    assert spec(x) != spec(x.float())
-    assert spec(torch.nn.Parameter(x)) == spec(x)
+    assert key(common, x, 3) != key(common, x[1:], 3)  # 2 bytes off a 16-byte boundary
+    assert key(common, x, 3) == key(common, x[8:], 3)  # 16 bytes on
+    assert key(common, x, 3) != key(common, x.float(), 3)
+    assert key(common, x, x[1:]) != key(common, x[1:], x)
 
 
 def test_unknown_argument_kinds_are_refused(common):
     with pytest.raises(TypeError):
-        common._arg_spec((1, 2))
+        key(common, (1, 2))
 
 
 def test_interpreter_defers_to_triton(kt, common):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import operator
 import os
 import re
 import statistics
@@ -99,36 +101,60 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 # signature is not the one read here, launch hooks, a grid function, a non-constexpr keyword)
 # takes Triton's own path.
 
-_I32, _I64 = (-(2**31), 2**31 - 1), (-(2**63), 2**63 - 1)
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_ARG_TYPES = (int, bool, float, type(None))
+_data_ptr, _dtype = operator.methodcaller("data_ptr"), operator.attrgetter("dtype")
+_16, _1 = itertools.repeat(16), itertools.repeat(1)
 
 
-def _int_spec(v: int) -> tuple:
-    kind = 0 if _I32[0] <= v <= _I32[1] else 1 if _I64[0] <= v <= _I64[1] else 2
-    return (int, v == 1, v % 16 == 0, kind)
+def _picker(indices: list[int]):
+    """A function returning the arguments at `indices` as a tuple (itemgetter, always a tuple)."""
+    if not indices:
+        return lambda args: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*indices)
 
 
-def _tensor_spec(t: torch.Tensor) -> tuple:
-    return (t.dtype, t.data_ptr() % 16 == 0)
+def _layout(types: tuple) -> tuple:
+    """(tensors of args, ints of args) pickers for one sequence of argument types."""
+    tensors, ints = [], []
+    for i, t in enumerate(types):
+        if issubclass(t, torch.Tensor):
+            tensors.append(i)
+        elif t is int:
+            ints.append(i)
+        elif t not in _ARG_TYPES:
+            raise TypeError(t)  # an argument kind the key does not cover: Triton's path
+    return _picker(tensors), _picker(ints)
 
 
-_SPEC = {
-    int: _int_spec,
-    bool: lambda v: (bool, v),
-    float: lambda v: (float,),
-    type(None): lambda v: (None,),
-    torch.Tensor: _tensor_spec,
-    torch.nn.Parameter: _tensor_spec,
-}
-_PLAIN = (int, bool, float, str, type(None))
+def _int_kind(v: int) -> int:
+    return 0 if _I32_MIN <= v <= _I32_MAX else 1 if -(2**63) <= v < 2**63 else 2
 
 
-def _arg_spec(a) -> tuple:
-    spec = _SPEC.get(type(a))
-    if spec is not None:
-        return spec(a)
-    if isinstance(a, torch.Tensor):
-        return _tensor_spec(a)
-    raise TypeError(type(a))  # an argument kind this launcher does not key: Triton's path
+def spec_key(args: tuple, layouts: dict) -> tuple:
+    """What Triton specialises `args` on, or more: the argument types; per tensor its dtype and
+    16-byte alignment; per int whether it is a multiple of 16 and whether it is 1, and the
+    integer type each int needs. Built from C-level maps: this runs on every launch."""
+    types = tuple(map(type, args))
+    pick = layouts.get(types)
+    if pick is None:
+        pick = layouts[types] = _layout(types)
+    tensors, ints = pick[0](args), pick[1](args)
+    if ints and (min(ints) < _I32_MIN or max(ints) > _I32_MAX):
+        widths = tuple(map(_int_kind, ints))
+    else:
+        widths = None
+    return (
+        types,
+        tuple(map(_dtype, tensors)),
+        tuple(map(operator.not_, map(operator.mod, map(_data_ptr, tensors), _16))),
+        tuple(map(operator.not_, map(operator.mod, ints, _16))),
+        tuple(map(operator.eq, ints, _1)),
+        widths,
+    )
 
 
 def _launch_signature_known() -> bool:
@@ -148,6 +174,7 @@ class FastLaunch:
     def __init__(self, fn) -> None:
         self.fn = fn
         self.compiled: dict[tuple, tuple | None] = {}
+        self.layouts: dict[tuple, tuple] = {}
         self.enabled = _launch_signature_known() and not interpreting()
         self._params: list[inspect.Parameter] | None = None
 
@@ -165,7 +192,7 @@ class FastLaunch:
         tail = []
         for param in self._params[len(args) :]:
             value = kwargs.get(param.name, param.default)
-            if value is inspect.Parameter.empty or not isinstance(value, _PLAIN):
+            if value is inspect.Parameter.empty or not isinstance(value, (*_ARG_TYPES, str)):
                 return None
             tail.append(value)
         if hasattr(kernel, "result"):
@@ -179,7 +206,7 @@ class FastLaunch:
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         try:
             device = torch._C._cuda_getDevice()  # what Triton launches on: the current device
-            key = (device, tuple(map(_arg_spec, args)), tuple(kwargs.items()))
+            key = (device, spec_key(args, self.layouts), tuple(kwargs.items()))
             plan = self.compiled.get(key, False)
         except TypeError:  # an argument kind the key does not cover, or an unhashable keyword
             return self.fn[grid](*args, **kwargs)
