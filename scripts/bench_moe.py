@@ -25,8 +25,8 @@ routing from a random router's softmax top-k. `--shapes gpt_oss` adds gpt-oss-20
 End to end (--e2e): a Qwen3-30B-A3B-shaped causal LM with --layers decoder layers (random init,
 bf16, sdpa), one process per setup, AdamW steps on random tokens: tokens/s and peak memory.
 Setups: eager, grouped_mm, liger-experts (Liger's experts only), liger (Liger's defaults for
-qwen3_moe), ours (MoEExperts on the grouped_mm model), ours-all (MoEExperts plus this repo's
-RMSNorm and RoPE layers). The model is built on the GPU in bf16; each setup's progress lines
+qwen3_moe), ours (MoEExperts on the grouped_mm model), ours-all (`kernels.apply_training_kernels`,
+the one-line way: experts, norms, rotary and the fused loss head, from this checkout). The model is built on the GPU in bf16; each setup's progress lines
 pass through, and one that runs past --setup-timeout is killed and reported.
 
     python scripts/bench_moe.py [--tokens 8192,16384] [--shapes qwen3,mixtral] [--out DIR]
@@ -417,28 +417,40 @@ def build_setup(setup: str, layers: int, tiny: bool, device: str):
         apply_liger_kernel_to_qwen3_moe(
             rope=False, rms_norm=False, fused_linear_cross_entropy=False, swiglu=True, model=model
         )
-    elif setup in ("ours", "ours-all"):
+    elif setup == "ours":
         import kernels
         from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
         from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-        variant = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
         kernels.replace_kernel_forward_from_hub(modeling_qwen3_moe.Qwen3MoeExperts, "MoEExperts")
-        layers_ = {"MoEExperts": "MoEExperts"}
-        if setup == "ours-all":
-            layers_.update(RMSNorm="MemoryEfficientRMSNorm", rotary_pos_emb="rotary_pos_emb")
-        mapping = {
-            name: {device: LocalLayerRepository(variant, layer_name=layer)}
-            for name, layer in layers_.items()
-        }
+        mapping = {"MoEExperts": {device: LocalLayerRepository(VARIANT, layer_name="MoEExperts")}}
         with use_kernel_mapping(mapping):
             kernelize(model, mode=Mode.TRAINING, device=device)
-        report = kernels.last_report(model)
-        bound = sum(1 for e in report if e.status == "bound" and e.layer_name == "MoEExperts")
-        if bound != layers:
-            raise RuntimeError(f"MoEExperts bound on {bound} of {layers} layers:\n{report}")
+        _check_bound(kernels.last_report(model), layers, ("MoEExperts",))
+    elif setup == "ours-all":
+        # The one-line way a user binds every training kernel the model can take (experts,
+        # norms, rotary, the fused loss head), served from this checkout's variant folder.
+        import kernels
+
+        os.environ["LOCAL_KERNELS"] = f"kernels-lab/training={VARIANT}"
+        report = kernels.apply_training_kernels(model)
+        _check_bound(report, layers, ("MoEExperts", "MoEForCausalLM"))
     model.train()
     return model
+
+
+VARIANT = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
+
+
+def _check_bound(report, layers: int, names: tuple[str, ...]) -> None:
+    """Refuse a run where `names` did not bind (MoEExperts once per decoder layer)."""
+    for name in names:
+        bound = sum(1 for e in report if e.status == "bound" and e.layer_name == name)
+        want = layers if name == "MoEExperts" else 1
+        if bound != want:
+            raise RuntimeError(f"{name} bound {bound} times, expected {want}:\n{report}")
+    print("bound: " + ", ".join(sorted({e.layer_name for e in report if e.status == "bound"})),
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def e2e_child(args) -> dict:

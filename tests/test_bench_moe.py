@@ -62,3 +62,17 @@ def test_a_setup_past_its_timeout_is_killed_and_reported():
     row = bench_moe.run_child("slow", cmd, timeout_s=2)
     assert time.perf_counter() - t < 30
     assert row == {"setup": "slow", "error": "killed after --setup-timeout 2 s"}
+
+
+def test_e2e_one_line_setup_binds_experts_and_the_loss_head():
+    """ours-all is the one-line way (apply_training_kernels); a run where the experts or the fused
+    loss head did not bind is refused, not timed."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_moe.py"), "--e2e", "--tiny", "--device", "cpu",
+         "--setups", "ours-all", "--steps", "1", "--setup-timeout", "240"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "bound: MoEExperts, MoEForCausalLM, RMSNorm, rotary_pos_emb" in proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ours-all |")]
+    assert len(rows) == 1 and "error" not in rows[0], proc.stdout[-2000:]
