@@ -167,7 +167,8 @@ def _state(cos: torch.Tensor, sin: torch.Tensor) -> tuple:
     """What a kept answer depends on besides identity: the version counters (in-place ops) and
     the memory viewed (``.data =`` and ``swap_tensors`` keep the object but change it; the
     data pointer includes the storage offset)."""
-    return tuple((t._version, t.data_ptr(), t.shape, t.stride()) for t in (cos, sin))
+    # tuple(shape): comparing torch.Size objects runs symbolic-shape Python on every call
+    return tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride()) for t in (cos, sin))
 
 
 class _HalvesCheck:
@@ -240,19 +241,17 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def triton_supported(q, k, cos, sin, unsqueeze_dim: int) -> bool:
     """Whether the Triton kernel covers this call (else the caller uses the torch composite)."""
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
+    # Shapes compared as tuples of ints: comparing torch.Size objects runs symbolic-shape
+    # Python on every call (host time counts at small batch).
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or tuple(sin.shape) != tuple(cos.shape):
         return False
     if unsqueeze_dim not in (1, 2) or not (use_triton(q) and q.device == k.device == cos.device):
         return False
     time_dim = 2 if unsqueeze_dim == 1 else 1  # [B, H, T, D], or [B, T, H, D]; no views made
     b, t, d = q.shape[0], q.shape[time_dim], q.shape[3]
     kb, kt, kd = k.shape[0], k.shape[time_dim], k.shape[3]
-    return (
-        d % 2 == 0
-        and (kb, kt, kd) == (b, t, d)
-        and cos.shape[0] in (1, b)
-        and cos.shape[1:] == (t, d)
-    )
+    cb, ct, cd = cos.shape
+    return d % 2 == 0 and (kb, kt, kd) == (b, t, d) and cb in (1, b) and (ct, cd) == (t, d)
 
 
 _ASK = object()
@@ -362,12 +361,17 @@ class _RopeFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, unsqueeze_dim):
         ctx.save_for_backward(cos, sin)
         ctx.unsqueeze_dim = unsqueeze_dim
-        return rotate(q, k, cos, sin, unsqueeze_dim, False)
+        repeats = halves_repeat(cos, sin)
+        # A host answer holds for the backward too: cos and sin are saved tensors, so autograd
+        # refuses the backward if an in-place op changed them. A device flag may still be in
+        # flight on another stream by then, so the backward asks again.
+        ctx.repeats = repeats if isinstance(repeats, bool) else _ASK
+        return rotate(q, k, cos, sin, unsqueeze_dim, False, repeats=repeats)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        dq, dk = rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True)
+        dq, dk = rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats)
         return dq, dk, None, None, None
 
 
