@@ -335,6 +335,10 @@ def child(args) -> dict:
         "bound_modules": bound,
         "training_after": model.training,
     }
+    if compiled:  # graphs dynamo handed to the backend: 0 would mean nothing was compiled
+        from torch._dynamo.utils import counters
+
+        out["compiled_graphs"] = counters["stats"]["unique_graphs"]
     if ours:
         from kernels import get_loaded_kernels
 
