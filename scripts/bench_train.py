@@ -188,13 +188,17 @@ class Family:
 
 FAMILIES = {
     "qwen3": Family("Qwen3-0.6B shape (28 layers)", qwen3_config, 8, 2048),
-    # transformers refuses sdpa with attention softcapping (it needs eager or flex) and
-    # recommends eager for training Gemma-2; eager attention keeps ~1 GiB per layer per
-    # sequence of 2048 (the 8 x 2048 x 2048 scores and their softcap/softmax chain), so batch 2
+    # Batches from what autograd saves in eager, counted on the CPU per sequence of 2048 (1- and
+    # 2-layer models at full width and vocabulary), plus weights, gradients, AdamW state and the
+    # loss's fp32 logit gradients; each leaves eager tens of GiB of the H200's 141 GB.
+    # transformers refuses sdpa with attention softcapping (it allows eager or flex) and
+    # recommends eager for training Gemma-2; its scores' softcap/softmax chain makes 743 MiB
+    # per layer and sequence: batch 2 is ~71 GiB.
     "gemma2": Family("Gemma-2-2B shape (all 26 layers)", gemma2_config, 2, 2048, "eager"),
-    # the 262144-entry vocabulary: eager's fp32 logits and their gradient take ~3 MiB per token
-    "gemma3": Family("Gemma-3-1B text shape (all 26 layers)", gemma3_config, 4, 2048),
-    # 3.8 B parameters: weights, gradients and AdamW state alone take ~28 GiB
+    # 278 MiB per layer, 2.6 GiB in the 262144-entry head per sequence: batch 6 is ~83 GiB
+    "gemma3": Family("Gemma-3-1B text shape (all 26 layers)", gemma3_config, 6, 2048),
+    # 508 MiB per layer per sequence and 28.5 GiB of weights, gradients and AdamW state:
+    # batch 4 is ~96 GiB
     "phi3": Family("Phi-3-mini-4k shape (all 32 layers)", phi3_config, 4, 2048),
 }
 
