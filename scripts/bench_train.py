@@ -229,6 +229,52 @@ def mark_fused_layers() -> None:
     kernels.replace_kernel_forward_from_hub(modeling_qwen3.Qwen3ForCausalLM, "ForCausalLM")
 
 
+def estimate_eager_gib(family: str, batch: int, seq: int) -> dict:
+    """Eager's peak memory at `batch` x `seq`, estimated on the CPU: the bytes autograd saves in
+    a forward of 1- and 2-layer models at full width and vocabulary (one sequence; their
+    difference is one layer), scaled to every layer and the batch, plus bf16 weights, gradients
+    and AdamW state and the loss's fp32 and bf16 logit gradients."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = FAMILIES[family]
+    full = spec.config(False)
+
+    def saved_bytes(layers: int) -> tuple[int, int]:
+        config = spec.config(False)
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = full.layer_types[:layers]
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=spec.attn
+        ).train()
+        storages: dict[int, int] = {}  # by storage: views of one buffer count once
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, config.vocab_size, (1, seq))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(storages.values()), sum(p.numel() for p in model.parameters())
+
+    one, params_one = saved_bytes(1)
+    two, params_two = saved_bytes(2)
+    layer, head = two - one, 2 * one - two
+    params = params_one + (full.num_hidden_layers - 1) * (params_two - params_one)
+    gib = 2**30
+    state = params * 8 / gib  # bf16 weights and gradients, AdamW's two bf16 moments
+    saved = batch * (full.num_hidden_layers * layer + head) / gib
+    loss_grad = batch * seq * full.vocab_size * 6 / gib
+    return {
+        "saved_per_layer_mib": layer / 2**20,
+        "head_per_sequence_gib": head / gib,
+        "weights_grads_adamw_gib": state,
+        "eager_peak_gib": state + saved + loss_grad,
+    }
+
+
 def load_for_training(setup: str, model_dir, device: str, family: str = "qwen3", attn: str = ""):
     """The model of `setup`, loaded and patched the way that setup's users do it, in train mode;
     returns (model, load seconds, count of modules bound by this project or None).
@@ -619,6 +665,11 @@ def main() -> int:
     p.add_argument(
         "--tiny", action="store_true", help="a model of a few tiny layers (CPU smoke test)"
     )
+    p.add_argument(
+        "--estimate-memory",
+        action="store_true",
+        help="print eager's estimated peak memory at the batch (CPU, no run) and exit",
+    )
     p.add_argument("--profile", action="store_true", help="add a one-step GPU profile per setup")
     p.add_argument("--out", help="folder for train.json, train.md and train_loss.png")
     args = p.parse_args()
@@ -628,6 +679,10 @@ def main() -> int:
     args.attn = args.attn or family.attn
     if args.child:
         emit_result(child(args))
+        return 0
+    if args.estimate_memory:
+        estimate = estimate_eager_gib(args.family, args.batch, args.seq)
+        print(json.dumps({"family": args.family, "batch": args.batch, "seq": args.seq, **estimate}))
         return 0
     json_name, md_name, png_name = output_names(args.family)
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
