@@ -1,15 +1,23 @@
-"""End-to-end training benchmark: a Qwen3-0.6B-shaped model, one GPU, four setups in one run.
+"""End-to-end training benchmark: one model shape per run, one GPU, four setups in one run.
+
+Families (--family): qwen3 (Qwen3-0.6B, the default), gemma2 (Gemma-2-2B), gemma3 (Gemma-3-1B
+text), phi3 (Phi-3-mini-4k), each with its real dimensions and every layer, random init, bf16,
+and a batch that fits eager on one H200 (FAMILIES; --estimate-memory shows the basis).
 
 Setups (each in its own process, same initial weights, same token batches):
   eager    transformers as is
   compile  torch.compile of the whole model
-  liger    liger_kernel's _apply_liger_kernel_to_instance (defaults: rope, rms_norm, swiglu, FLCE)
-  ours     this project's kernels loaded the user's way: from_pretrained(..., use_kernels=True,
-           kernel_config=KernelConfig(kernel_mapping={...})) from a `kernels serve` mirror of
-           hub_kernels/ started by this script (variants: ours-rmsnorm, ours-compile)
+  liger    liger_kernel's _apply_liger_kernel_to_instance (defaults: rope, rms_norm, swiglu or
+           geglu, FLCE)
+  ours     this project's kernels from a `kernels serve` mirror of hub_kernels/ started by this
+           script: on Qwen3 the user's KernelConfig way with the hand mapping below (variants
+           ours-rmsnorm, ours-compile); on the other families the one line for any model,
+           kernels.apply_training_kernels(model)
 
-Reports step time (median after warm-up), tokens/s, peak memory and the loss curve against eager.
-Usage (GPU): python scripts/bench_train.py --out DIR [--steps 50] [--setups eager,liger,ours,compile]
+Reports step time (median after warm-up), tokens/s, peak memory, both relative to Liger's, and
+the loss curve against eager.
+Usage (GPU): python scripts/bench_train.py [--family F] --out DIR [--steps 50] [--setups ...]
+CPU smoke: TRITON_INTERPRET=1 python scripts/bench_train.py --family F --tiny --device cpu ...
 """
 
 from __future__ import annotations
