@@ -745,12 +745,16 @@ def main() -> int:
             )
         except Exception:
             versions[name] = "n/a"
+    shape = family.shape
+    if args.tiny:
+        tiny = family.config(True)
+        shape = f"tiny {args.family} ({tiny.num_hidden_layers} layers, hidden {tiny.hidden_size})"
     header = (
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, host {cpu_model()} "
         f"({os.cpu_count()} CPUs), "
         + ", ".join(f"{k} {v}" for k, v in versions.items())
-        + f". {family.shape}{' (tiny)' if args.tiny else ''}, random init, bf16, "
-        f"{args.attn} attention, batch {args.batch}x{args.seq}, AdamW(fused), {args.steps} steps."
+        + f". {shape}, random init, bf16, {args.attn} attention, batch {args.batch}x{args.seq}, "
+        f"AdamW{'(fused)' if args.device == 'cuda' else ''}, {args.steps} steps."
     )
     text = header + "\n\n" + table(rows, args.steps, args.warmup)
     print(text)
