@@ -1,15 +1,23 @@
-"""End-to-end training benchmark: a Qwen3-0.6B-shaped model, one GPU, four setups in one run.
+"""End-to-end training benchmark: one model shape per run, one GPU, four setups in one run.
+
+Families (--family): qwen3 (Qwen3-0.6B, the default), gemma2 (Gemma-2-2B), gemma3 (Gemma-3-1B
+text), phi3 (Phi-3-mini-4k), each with its real dimensions and every layer, random init, bf16,
+and a batch that fits eager on one H200 (FAMILIES; --estimate-memory shows the basis).
 
 Setups (each in its own process, same initial weights, same token batches):
   eager    transformers as is
   compile  torch.compile of the whole model
-  liger    liger_kernel's _apply_liger_kernel_to_instance (defaults: rope, rms_norm, swiglu, FLCE)
-  ours     this project's kernels loaded the user's way: from_pretrained(..., use_kernels=True,
-           kernel_config=KernelConfig(kernel_mapping={...})) from a `kernels serve` mirror of
-           hub_kernels/ started by this script (variants: ours-rmsnorm, ours-compile)
+  liger    liger_kernel's _apply_liger_kernel_to_instance (defaults: rope, rms_norm, swiglu or
+           geglu, FLCE)
+  ours     this project's kernels from a `kernels serve` mirror of hub_kernels/ started by this
+           script: on Qwen3 the user's KernelConfig way with the hand mapping below (variants
+           ours-rmsnorm, ours-compile); on the other families the one line for any model,
+           kernels.apply_training_kernels(model)
 
-Reports step time (median after warm-up), tokens/s, peak memory and the loss curve against eager.
-Usage (GPU): python scripts/bench_train.py --out DIR [--steps 50] [--setups eager,liger,ours,compile]
+Reports step time (median after warm-up), tokens/s, peak memory, both relative to Liger's, and
+the loss curve against eager.
+Usage (GPU): python scripts/bench_train.py [--family F] --out DIR [--steps 50] [--setups ...]
+CPU smoke: TRITON_INTERPRET=1 python scripts/bench_train.py --family F --tiny --device cpu ...
 """
 
 from __future__ import annotations
@@ -17,12 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "kernels-lab/training"
@@ -75,12 +88,142 @@ def qwen3_config(tiny: bool):
     )
 
 
-def save_model(path: Path, tiny: bool) -> None:
+def gemma2_config(tiny: bool):
+    from transformers import Gemma2Config
+
+    if tiny:
+        return Gemma2Config(**_TINY, sliding_window=16)  # softcapping as the real model
+    # Gemma-2-2B: all 26 layers; attention and final logit softcapping 50 / 30, sliding window
+    # 4096 on every other layer (the config's defaults are this model's)
+    return Gemma2Config(
+        vocab_size=256000,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    )
+
+
+def gemma3_config(tiny: bool):
+    from transformers import Gemma3TextConfig
+
+    if tiny:  # one sliding-window layer and one global one (their RoPE bases differ)
+        return Gemma3TextConfig(
+            **_TINY, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+        )
+    # Gemma-3-1B (text): all 26 layers, 5 sliding-window (512) layers to 1 global, local RoPE
+    # base 10k and global 1M, no softcapping, tied embeddings
+    return Gemma3TextConfig(
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+        tie_word_embeddings=True,
+    )
+
+
+def phi3_config(tiny: bool):
+    from transformers import Phi3Config
+
+    if tiny:
+        kw = {k: v for k, v in _TINY.items() if k != "head_dim"}
+        return Phi3Config(**kw, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=16)
+    # Phi-3-mini-4k: all 32 layers, fused qkv_proj and gate_up_proj, 32 heads (no GQA),
+    # sliding window 2047 as its released config, untied head
+    return Phi3Config(
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        sliding_window=2047,
+        pad_token_id=32000,
+        bos_token_id=1,
+        eos_token_id=32000,
+        tie_word_embeddings=False,
+    )
+
+
+# The tiny (CPU smoke) models: small enough for a few seconds per setup in the Triton interpreter.
+_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A benchmarked model shape: its config, the batch that fits eager on one H200 (141 GB)
+    and the attention every setup runs."""
+
+    shape: str
+    config: Callable[[bool], Any]
+    batch: int
+    seq: int
+    attn: str = "sdpa"
+
+
+FAMILIES = {
+    "qwen3": Family("Qwen3-0.6B shape (28 layers)", qwen3_config, 8, 2048),
+    # Batches from what autograd saves in eager, counted on the CPU per sequence of 2048 (1- and
+    # 2-layer models at full width and vocabulary), plus weights, gradients, AdamW state and the
+    # loss's fp32 logit gradients; each leaves eager tens of GiB of the H200's 141 GB.
+    # transformers refuses sdpa with attention softcapping (it allows eager or flex) and
+    # recommends eager for training Gemma-2; its scores' softcap/softmax chain makes 743 MiB
+    # per layer and sequence: batch 2 is ~71 GiB.
+    "gemma2": Family("Gemma-2-2B shape (all 26 layers)", gemma2_config, 2, 2048, "eager"),
+    # 278 MiB per layer, 2.6 GiB in the 262144-entry head per sequence: batch 6 is ~83 GiB
+    "gemma3": Family("Gemma-3-1B text shape (all 26 layers)", gemma3_config, 6, 2048),
+    # 508 MiB per layer per sequence and 28.5 GiB of weights, gradients and AdamW state:
+    # batch 4 is ~96 GiB
+    "phi3": Family("Phi-3-mini-4k shape (all 32 layers)", phi3_config, 4, 2048),
+}
+
+
+def save_model(path: Path, tiny: bool, family: str = "qwen3") -> None:
     import torch
-    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(qwen3_config(tiny)).to(torch.bfloat16)
+    if family == "qwen3":  # as before the other families, so Qwen3 numbers stay comparable
+        from transformers import Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(qwen3_config(tiny)).to(torch.bfloat16)
+    else:  # built in bf16 directly: a 3.8 B model in fp32 first costs the host ~15 GB and time
+        from transformers import AutoModelForCausalLM
+
+        config = FAMILIES[family].config(tiny)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
 
 
@@ -94,24 +237,87 @@ def mark_fused_layers() -> None:
     kernels.replace_kernel_forward_from_hub(modeling_qwen3.Qwen3ForCausalLM, "ForCausalLM")
 
 
-def load_for_training(setup: str, model_dir, device: str):
-    """The model of `setup`, loaded and patched the way that setup's users do it, in train mode;
-    returns (model, load seconds, count of modules bound by this project or None)."""
+def estimate_eager_gib(family: str, batch: int, seq: int) -> dict:
+    """Eager's peak memory at `batch` x `seq`, estimated on the CPU: the bytes autograd saves in
+    a forward of 1- and 2-layer models at full width and vocabulary (one sequence; their
+    difference is one layer), scaled to every layer and the batch, plus bf16 weights, gradients
+    and AdamW state and the loss's fp32 and bf16 logit gradients."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
+    spec = FAMILIES[family]
+    full = spec.config(False)
+
+    def saved_bytes(layers: int) -> tuple[int, int]:
+        config = spec.config(False)
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = full.layer_types[:layers]
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=spec.attn
+        ).train()
+        storages: dict[int, int] = {}  # by storage: views of one buffer count once
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, config.vocab_size, (1, seq))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(storages.values()), sum(p.numel() for p in model.parameters())
+
+    one, params_one = saved_bytes(1)
+    two, params_two = saved_bytes(2)
+    layer, head = two - one, 2 * one - two
+    params = params_one + (full.num_hidden_layers - 1) * (params_two - params_one)
+    gib = 2**30
+    state = params * 8 / gib  # bf16 weights and gradients, AdamW's two bf16 moments
+    saved = batch * (full.num_hidden_layers * layer + head) / gib
+    loss_grad = batch * seq * full.vocab_size * 6 / gib
+    return {
+        "saved_per_layer_mib": layer / 2**20,
+        "head_per_sequence_gib": head / gib,
+        "weights_grads_adamw_gib": state,
+        "eager_peak_gib": state + saved + loss_grad,
+    }
+
+
+def load_for_training(setup: str, model_dir, device: str, family: str = "qwen3", attn: str = ""):
+    """The model of `setup`, loaded and patched the way that setup's users do it, in train mode;
+    returns (model, load seconds, count of modules bound by this project or None).
+
+    "ours" on Qwen3 is the hand-written KernelConfig mapping (the measurements so far); on the
+    other families it is the one line for any model, ``kernels.apply_training_kernels(model)``,
+    which classifies the modules by structure. KernelConfig binds on accelerators only, so on
+    the CPU the Qwen3 mapping goes through ``kernels.apply_kernels`` instead."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=torch.bfloat16, attn_implementation=attn or FAMILIES[family].attn)
     if device != "cpu":  # KernelConfig binds for the device the model is on at load time
         kwargs["device_map"] = device
     ours = setup in SETUP_MAPPINGS
-    if ours:
-        from transformers import KernelConfig
-
+    hand_mapping = ours and family == "qwen3"
+    if hand_mapping:
         mark_fused_layers()
-        mapping = dict(SETUP_MAPPINGS[setup])
-        kwargs.update(use_kernels=True, kernel_config=KernelConfig(kernel_mapping=mapping))
+        if device != "cpu":
+            from transformers import KernelConfig
+
+            mapping = dict(SETUP_MAPPINGS[setup])
+            kwargs.update(use_kernels=True, kernel_config=KernelConfig(kernel_mapping=mapping))
+    elif ours and setup == "ours-rmsnorm":
+        raise SystemExit("ours-rmsnorm is a variant of the Qwen3 hand mapping; use --family qwen3")
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if ours:
+        import kernels
+
+        model.train()  # bind for training (apply_kernels picks the mode after model.training)
+        if not hand_mapping:
+            kernels.apply_training_kernels(model)
+        elif device == "cpu":
+            kernels.apply_kernels(model, dict(SETUP_MAPPINGS[setup]))
     load_s = time.perf_counter() - t0
     if setup == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -127,13 +333,33 @@ def load_for_training(setup: str, model_dir, device: str):
     return model, load_s, bound
 
 
+def binding_summary(model) -> dict:
+    """What this project bound, by layer name ({"RMSNorm": 105, ...}), and what it left as it
+    was with the reason, from the model's last bind report."""
+    import kernels
+
+    report = kernels.last_report(model)
+    bound: dict[str, int] = {}
+    kept: dict[str, str] = {}
+    for e in report.entries if report else ():
+        if e.status == "bound":
+            layer = (e.kernel or e.layer_name).rsplit(":", 1)[-1]
+            bound[layer] = bound.get(layer, 0) + 1
+        else:
+            kept.setdefault(e.layer_name, e.reason)
+    return {"bound_layers": dict(sorted(bound.items())), "kept_layers": kept}
+
+
 def child(args) -> dict:
     import torch
 
     device = args.device
     ours = args.child in SETUP_MAPPINGS
-    model, load_s, bound = load_for_training(args.child, args.model_dir, device)
-    step_model = torch.compile(model) if args.child in COMPILED else model
+    model, load_s, bound = load_for_training(
+        args.child, args.model_dir, device, args.family, args.attn
+    )
+    compiled = args.child in COMPILED
+    step_model = torch.compile(model, backend=args.compile_backend) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     gen = torch.Generator().manual_seed(1234)
     vocab = model.config.vocab_size
@@ -167,9 +393,14 @@ def child(args) -> dict:
         "bound_modules": bound,
         "training_after": model.training,
     }
+    if compiled:  # graphs dynamo handed to the backend: 0 would mean nothing was compiled
+        from torch._dynamo.utils import counters
+
+        out["compiled_graphs"] = counters["stats"]["unique_graphs"]
     if ours:
         from kernels import get_loaded_kernels
 
+        out.update(binding_summary(model))
         out["kernels"] = [k.describe() for k in get_loaded_kernels()]
     if args.profile and device == "cuda":
         out["profile"] = profile_step(step_model, opt, batches[-1].to(device))
@@ -323,15 +554,19 @@ def start_mirror(work: Path) -> tuple[subprocess.Popen, dict[str, str]]:
 
 
 def table(rows: list[dict], steps: int, warmup: int) -> str:
-    eager = next((r for r in rows if r["setup"] == "eager" and "error" not in r), None)
+    """The markdown table of one family's run, with every setup's tokens/s and peak memory
+    relative to Liger's (the bar: ours >= 1.1x Liger's tokens/s at <= Liger's memory)."""
+    ok = [r for r in rows if "error" not in r]
+    eager = next((r for r in ok if r["setup"] == "eager"), None)
+    liger = next((r for r in ok if r["setup"] == "liger"), None)
     lines = [
         f"| setup | step (median of steps {warmup + 1}-{steps}) | tokens/s | peak memory | "
-        "max abs loss diff vs eager (all steps) | final loss |",
-        "|---|---|---|---|---|---|",
+        "tokens/s vs Liger | peak vs Liger | max abs loss diff vs eager (all steps) | final loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['setup']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['setup']} | error: {r['error']} | | | | | | |")
             continue
         diff = ""
         if eager is not None and r is not eager:
@@ -339,9 +574,20 @@ def table(rows: list[dict], steps: int, warmup: int) -> str:
                 f"{max(abs(a - b) for a, b in zip(r['losses'], eager['losses'], strict=True)):.4f}"
             )
         peak = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else "n/a"
+        speed = f"{r['tokens_per_s'] / liger['tokens_per_s']:.2f}x" if liger else ""
+        memory = ""
+        if liger and r.get("peak_gib") is not None and liger.get("peak_gib"):
+            memory = f"{r['peak_gib'] / liger['peak_gib']:.2f}x"
         lines.append(
-            f"| {r['setup']} | {r['step_ms']:.0f} ms | {r['tokens_per_s'] / 1e3:.1f} k | {peak} | {diff} | {r['losses'][-1]:.4f} |"
+            f"| {r['setup']} | {r['step_ms']:.0f} ms | {r['tokens_per_s'] / 1e3:.1f} k | {peak} "
+            f"| {speed} | {memory} | {diff} | {r['losses'][-1]:.4f} |"
         )
+    bound = [r for r in ok if r.get("bound_layers")]
+    for r in bound:
+        layers = ", ".join(f"{k} x{v}" for k, v in r["bound_layers"].items())
+        lines.append(f"\n{r['setup']} bound: {layers}.")
+        for name, reason in r.get("kept_layers", {}).items():
+            lines.append(f"{r['setup']} kept {name}: {reason}.")
     return "\n".join(lines)
 
 
@@ -372,26 +618,84 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def run_setup(setup: str, cmd: list[str], env: dict, timeout_s: float | None) -> dict:
+    """Run one setup's process; its RESULT row, or {"setup", "error"} when it failed or ran
+    past `timeout_s` (then its whole process group is killed: compile workers too)."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"setup": setup, "error": f"killed after --setup-timeout {timeout_s:g} s"}
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        print(stderr[-3000:], file=sys.stderr)
+        tail = (stderr.strip().splitlines() or [f"exit {proc.returncode}, no output"])[-1]
+        return {"setup": setup, "error": tail[:200]}
+    return json.loads(line[7:])
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (the step is host-bound: lent machines differ)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def output_names(family: str) -> tuple[str, str, str]:
+    """(json, markdown, plot) file names under --out: Qwen3 keeps the names of earlier runs."""
+    stem = "train" if family == "qwen3" else f"train-{family}"
+    return f"{stem}.json", f"{stem}.md", f"{stem}_loss.png"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child")
     p.add_argument("--model-dir")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3")
     p.add_argument("--setups", default="eager,liger,ours,compile")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, help="sequences per step (default: the family's)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the family's)")
+    p.add_argument("--attn", default="", help="attn_implementation (default: the family's)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--setup-timeout", type=float, help="seconds before a setup is killed")
+    p.add_argument(
+        "--tiny", action="store_true", help="a model of a few tiny layers (CPU smoke test)"
+    )
+    p.add_argument(
+        "--estimate-memory",
+        action="store_true",
+        help="print eager's estimated peak memory at the batch (CPU, no run) and exit",
+    )
     p.add_argument("--profile", action="store_true", help="add a one-step GPU profile per setup")
     p.add_argument("--out", help="folder for train.json, train.md and train_loss.png")
     args = p.parse_args()
+    family = FAMILIES[args.family]
+    args.batch = args.batch or family.batch
+    args.seq = args.seq or family.seq
+    args.attn = args.attn or family.attn
     if args.child:
         emit_result(child(args))
         return 0
+    if args.estimate_memory:
+        estimate = estimate_eager_gib(args.family, args.batch, args.seq)
+        print(json.dumps({"family": args.family, "batch": args.batch, "seq": args.seq, **estimate}))
+        return 0
+    json_name, md_name, png_name = output_names(args.family)
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     model_dir = work / "model"
-    save_model(model_dir, args.tiny)
+    save_model(model_dir, args.tiny, args.family)
     server, env = start_mirror(work)
     rows = []
     try:
@@ -403,6 +707,12 @@ def main() -> int:
                 setup,
                 "--model-dir",
                 str(model_dir),
+                "--family",
+                args.family,
+                "--attn",
+                args.attn,
+                "--compile-backend",
+                args.compile_backend,
                 "--steps",
                 str(args.steps),
                 "--warmup",
@@ -415,21 +725,15 @@ def main() -> int:
                 args.device,
             ] + (["--profile"] if args.profile else [])
             t = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
-                rows.append({"setup": setup, "error": tail})
-                print(proc.stderr[-3000:], file=sys.stderr)
-            else:
-                rows.append(json.loads(line[7:]))
+            rows.append(run_setup(setup, cmd, env, args.setup_timeout))
             rows[-1]["wall_s"] = time.perf_counter() - t
             print(f"{setup}: done in {rows[-1]['wall_s']:.0f} s", flush=True)
             if args.out:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
-                (Path(args.out) / "train.json").write_text(json.dumps(rows, indent=1))
+                (Path(args.out) / json_name).write_text(json.dumps(rows, indent=1))
     finally:
         server.terminate()
+        shutil.rmtree(work, ignore_errors=True)  # the saved model: up to 8 GB per family
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -441,18 +745,23 @@ def main() -> int:
             )
         except Exception:
             versions[name] = "n/a"
+    shape = family.shape
+    if args.tiny:
+        tiny = family.config(True)
+        shape = f"tiny {args.family} ({tiny.num_hidden_layers} layers, hidden {tiny.hidden_size})"
     header = (
-        f"{time.strftime('%Y-%m-%d')}, {gpu}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, host {cpu_model()} "
+        f"({os.cpu_count()} CPUs), "
         + ", ".join(f"{k} {v}" for k, v in versions.items())
-        + f". Qwen3-0.6B shape{' (tiny)' if args.tiny else ''}, random init, bf16, sdpa, batch "
-        f"{args.batch}x{args.seq}, AdamW(fused), {args.steps} steps."
+        + f". {shape}, random init, bf16, {args.attn} attention, batch {args.batch}x{args.seq}, "
+        f"AdamW{'(fused)' if args.device == 'cuda' else ''}, {args.steps} steps."
     )
     text = header + "\n\n" + table(rows, args.steps, args.warmup)
     print(text)
     if args.out:
         out = Path(args.out)
-        (out / "train.md").write_text(text + "\n")
-        plot(rows, out / "train_loss.png")
+        (out / md_name).write_text(text + "\n")
+        plot(rows, out / png_name)
     return 0
 
 

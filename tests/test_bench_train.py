@@ -1,12 +1,19 @@
-"""The step timeline of scripts/bench_train.py --profile, on a hand-made chrome trace."""
+"""scripts/bench_train.py: the --profile step timeline (on a hand-made chrome trace), and every
+--family run end to end on the CPU with --tiny (Triton interpreter)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_train  # noqa: E402
 from bench_train import gpu_timeline  # noqa: E402
 
 
@@ -45,3 +52,84 @@ def test_idle_gaps_go_to_the_innermost_op_that_launched_the_awaited_kernel():
 
 def test_no_kernels_gives_nothing():
     assert gpu_timeline({"traceEvents": [_op("aten::add", 0, 5)]}) == {}
+
+
+# --- scripts/bench_train.py --family on the CPU: every family trains, "ours" binds its kernels ---
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
+
+# The layers apply_training_kernels binds on each family (its norm, gated MLP, RoPE and the
+# causal-LM loss head); Qwen3 runs the hand mapping of the earlier measurements.
+EXPECTED_LAYERS = {
+    "qwen3": {"MemoryEfficientRMSNorm", "SwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
+    "gemma2": {"GemmaRMSNorm", "GeGLUMLP", "rotary_pos_emb", "ForCausalLM"},
+    "gemma3": {"GemmaRMSNorm", "GeGLUMLP", "rotary_pos_emb", "ForCausalLM"},
+    "phi3": {"RMSNorm", "FusedSwiGLUMLP", "rotary_pos_emb", "ForCausalLM"},
+}
+
+
+def _run_bench(tmp_path: Path, family: str, setups: str, *extra: str) -> list[dict]:
+    out = tmp_path / "out"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--family", family, "--tiny", "--device", "cpu",
+         "--steps", "2", "--warmup", "1", "--batch", "1", "--seq", "16", "--setups", setups,
+         "--out", str(out), *extra],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    json_name, md_name, _ = bench_train.output_names(family)
+    rows = json.loads((out / json_name).read_text())
+    assert [r["setup"] for r in rows] == setups.split(",")
+    assert [r.get("error") for r in rows] == [None] * len(rows), proc.stderr[-3000:]
+    return rows, (out / md_name).read_text()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "qwen3"])
+def test_every_family_trains_and_ours_binds_norms_mlp_rope_and_the_loss_head(tmp_path, family):
+    rows, md = _run_bench(tmp_path, family, "eager,ours")
+    eager, ours = rows
+    assert set(ours["bound_layers"]) == EXPECTED_LAYERS[family], ours.get("kept_layers")
+    assert ours["training_after"] and ours["bound_modules"] == sum(ours["bound_layers"].values())
+    # the same function in bf16: the losses of the two setups agree to bf16's ~1e-2 relative
+    for a, b in zip(ours["losses"], eager["losses"], strict=True):
+        assert abs(a - b) <= 1e-2 * abs(b)
+    assert f"tiny {family} (" in md and "tokens/s vs Liger" in md
+    assert "ours bound: " in md
+
+
+def test_whole_model_compile_traces_gemma2_with_its_softcapped_eager_attention(tmp_path):
+    (row,), md = _run_bench(tmp_path, "gemma2", "compile", "--compile-backend", "aot_eager")
+    assert row["training_after"] and len(row["losses"]) == 2 and row["compiled_graphs"] >= 1
+    assert "eager attention, batch 1x16" in md
+
+
+def test_the_table_relates_every_setup_to_liger():
+    def row(setup, tps, peak):
+        return {"setup": setup, "step_ms": 1.0, "tokens_per_s": tps, "peak_gib": peak,
+                "losses": [2.0, 1.0]}  # fmt: skip
+
+    text = bench_train.table(
+        [row("eager", 50.0, 60.0), row("liger", 80.0, 20.0), row("ours", 100.0, 18.0)], 2, 1
+    )
+    lines = text.splitlines()
+    assert lines[3].startswith("| liger |") and "| 1.00x | 1.00x |" in lines[3]
+    assert lines[4].startswith("| ours |") and "| 1.25x | 0.90x |" in lines[4]
+    assert "| 0.62x | 3.00x |" in lines[2]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3"])
+def test_the_liger_setup_patches_each_new_family_in_place(tmp_path, family):
+    """The liger setup's load (Liger's Triton kernels do not run on the CPU: this checks that its
+    instance patch applies to these families on transformers 5.24 and takes their norms, MLPs
+    and the causal-LM forward)."""
+    pytest.importorskip("liger_kernel")
+    bench_train.save_model(tmp_path / "model", True, family)
+    model, _, bound = bench_train.load_for_training("liger", tmp_path / "model", "cpu", family)
+    assert model.training and bound is None
+    patched = {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if "liger" in getattr(m.forward, "__func__", m.forward).__module__
+    }
+    assert {"", "input_layernorm", "mlp"} <= patched, patched
