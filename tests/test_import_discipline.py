@@ -15,8 +15,8 @@ import pytest
 
 from tests.kernel_repos import kernel_files, run_python
 
-# Modules a warm load of a kernel without kernel-depends, provenance, kernels-minver, Python
-# dependencies or a status file has no use for, and why each is needed elsewhere.
+# Modules a warm load of a pure-Python kernel without kernel-depends, provenance, kernels-minver,
+# Python dependencies or a status file has no use for, and what each is needed for instead.
 COLD_ONLY = (
     "huggingface_hub",  # talking to a Hub
     "kernels.hub",  # talking to a Hub
@@ -25,6 +25,7 @@ COLD_ONLY = (
     "kernels.local_kernels",  # LOCAL_KERNELS is set
     "kernels.status_file",  # a repo whose kernel-status.toml redirects
     "kernels.metadata_extras",  # kernel-depends or provenance in metadata.json
+    "kernels.elf",  # a variant that ships native libraries
     "kernels.cache.locks",  # a write to the cache
     "kernels.cache.reports",  # `kernels du` / `kernels prune`
     "packaging.version",  # kernels-minver in metadata.json
@@ -74,7 +75,17 @@ def test_warm_load_imports_no_cold_path_module(hub, relu):
 
 def test_lazy_names_resolve_where_they_lived():
     """Moving a type off the warm path keeps its old import path working."""
-    from kernels import cache, hub, metadata, metadata_extras, remote_file, status, status_file
+    from kernels import (
+        cache,
+        elf,
+        hub,
+        metadata,
+        metadata_extras,
+        native_abi,
+        remote_file,
+        status,
+        status_file,
+    )
     from kernels.cache import reports
 
     assert hub.RemoteFile is remote_file.RemoteFile
@@ -83,11 +94,13 @@ def test_lazy_names_resolve_where_they_lived():
         assert getattr(metadata, name) is getattr(metadata_extras, name)
     assert status.Redirect is status_file.Redirect
     assert status.parse is status_file.parse
+    assert native_abi.read_elf is elf.read_elf
+    assert native_abi.ElfInfo is elf.ElfInfo
     assert cache.Usage is reports.Usage
     assert cache.PruneReport is reports.PruneReport
-    for module, name in ((metadata, "Nope"), (status, "Nope"), (cache, "Nope")):
+    for module in (metadata, status, cache, native_abi):
         with pytest.raises(AttributeError):
-            getattr(module, name)
+            module.nope  # noqa: B018
 
 
 def test_lazy_paths_still_work(tmp_path):
