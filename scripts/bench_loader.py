@@ -282,6 +282,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _loadavg() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ours", default=str(ROOT / ".venv/bin/python"))
@@ -289,6 +296,7 @@ def main() -> int:
     parser.add_argument("--out", help="write the table as markdown here")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-loader-"))
+    load_before = _loadavg()
     from kernels.serve import build_mirror
 
     mirror = base / "mirror"
