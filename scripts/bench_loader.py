@@ -315,7 +315,8 @@ def main() -> int:
         f"{version_of(args.ours, 'torch')}. Server: `kernels serve` on 127.0.0.1 over hub_kernels/; "
         "requests counted at the server (telemetry excluded). Times are wall time of the call after "
         f"`import torch`; `import kernels`, `--help` and the warm load are medians of 7, 5 and "
-        f"{WARM_RUNS} runs."
+        f"{WARM_RUNS} runs. Load average (1 min) at the start / end: {load_before} / "
+        f"{_loadavg()} (other jobs on the machine add to every time)."
     )
     print(header + "\n\n" + text)
     if args.out:
