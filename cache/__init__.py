@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ from .trees import TreeCheck, TreeStore
 
 if TYPE_CHECKING:
     from .locks import FileLock
+    from .reports import PruneReport, Usage
 
 FORMAT_VERSION = 1
 
@@ -33,6 +33,11 @@ def __getattr__(name: str):
         from . import locks
 
         return getattr(locks, name)
+    # The maintenance reports, where `du` or `prune` makes one.
+    if name in ("PruneReport", "Usage"):
+        from . import reports
+
+        return getattr(reports, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -59,23 +64,6 @@ _CACHEDIR_TAG = (
     b"Signature: 8a477f597d28d172789f06886806bc55\n"
     b"# This folder is the cache of the `kernels` package; see its docs/cache.md.\n"
 )
-
-
-@dataclass
-class Usage:
-    objects: int = 0
-    object_bytes: int = 0
-    trees: int = 0
-    variants: int = 0
-    repos: int = 0
-
-
-@dataclass
-class PruneReport:
-    trees: list[str] = field(default_factory=list)
-    objects: list[str] = field(default_factory=list)
-    bytes: int = 0
-    dry_run: bool = False
 
 
 # Bucket folders whose writers decide what a load imports or trusts (see `exposure`).
@@ -213,6 +201,8 @@ class Cache:
         return self.staging.clean(older_than)
 
     def usage(self) -> Usage:
+        from .reports import Usage
+
         usage = Usage()
         for digest in self.objects.iter_digests():
             usage.objects += 1
@@ -237,6 +227,8 @@ class Cache:
             return self._prune(keep_trees, dry_run)
 
     def _prune(self, keep_trees: set[str], dry_run: bool) -> PruneReport:
+        from .reports import PruneReport
+
         report = PruneReport(dry_run=dry_run)
         live_trees = {tree for *_rest, tree in self.all_index.entries()} | set(keep_trees)
         for digest in list(self.trees.iter_digests()):

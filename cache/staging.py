@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import secrets
 import shutil
 import threading
 import time
@@ -50,6 +49,8 @@ class Staging:
             return folder
 
     def _claim(self) -> tuple[Path, int]:
+        import secrets  # only a process that writes claims a folder; a warm load does not
+
         make_dirs(self.root)
         while True:
             name = f"{os.getpid()}-{secrets.token_hex(6)}"

@@ -22,7 +22,7 @@ from types import ModuleType
 from kernels.cache import Cache, FileEntry, Manifest
 from kernels.cache.fsutil import make_dirs
 
-from . import local_kernels, settings, status
+from . import settings, status
 from .errors import (
     HubUnavailable,
     IntegrityError,
@@ -100,6 +100,15 @@ def _system(backend: str | None) -> SystemInfo:
 
 def _cache() -> Cache:
     return open_cache()
+
+
+def _local_override(repo_id: str) -> Path | None:
+    """local_kernels.override_for, without importing it when LOCAL_KERNELS is unset."""
+    if not os.environ.get("LOCAL_KERNELS"):
+        return None
+    from . import local_kernels
+
+    return local_kernels.override_for(repo_id)
 
 
 # -- the pipeline --------------------------------------------------------------------------
@@ -420,7 +429,7 @@ def get_kernel(
     installed. Raises the typed errors of kernels.errors.
     """
     spec = make_spec(repo_id, revision=revision, version=version)
-    local = local_kernels.override_for(repo_id)
+    local = _local_override(repo_id)
     if local is not None:
         return get_local_kernel(local, backend=backend)
     key = _memo_key(spec, backend, trust_remote_code, check_arch)
@@ -550,7 +559,7 @@ def has_kernel(
     A repo id mapped by LOCAL_KERNELS is answered from that folder.
     """
     spec = make_spec(repo_id, revision=revision, version=version)
-    local = local_kernels.override_for(repo_id)
+    local = _local_override(repo_id)
     if local is not None:
         try:
             _local_variant(Path(local).expanduser().resolve(), _system(backend))

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from kernels.cache import Cache, DigestMismatch, FileEntry, Manifest, ManifestError, check_relpath
 
-from . import hub
 from .errors import (
     CacheError,
     InsufficientSpace,
@@ -29,8 +28,8 @@ from .errors import (
     LockWaitTimeout,
     OfflineCacheMiss,
 )
-from .hub import RemoteFile
 from .metadata import MAX_METADATA_BYTES
+from .remote_file import RemoteFile, is_commit_id
 from .spec import validate_repo_id
 
 MAX_FILE_SIZE = 16 << 30
@@ -49,7 +48,7 @@ def valid_install_key(repo_id: str, commit: str, variant: str) -> bool:
         validate_repo_id(repo_id)
     except InvalidSpec:
         return False
-    return hub.is_commit_id(commit) and bool(_VARIANT.match(variant))
+    return is_commit_id(commit) and bool(_VARIANT.match(variant))
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ def _validate_listing(repo_id: str, commit: str, files: list[RemoteFile]) -> Lis
 
 def get_listing(cache: Cache, repo_id: str, commit: str, *, offline: bool) -> Listing:
     """The commit's variants: from the cache (no request) or from the Hub (one request)."""
-    if not hub.is_commit_id(commit):
+    if not is_commit_id(commit):
         raise IntegrityError(
             f"{repo_id}: refusing the malformed commit id {commit!r:.60}",
             hint="pin a 40-hex commit, or check HF_ENDPOINT points at a Hub you trust",
@@ -132,6 +131,8 @@ def get_listing(cache: Cache, repo_id: str, commit: str, *, offline: bool) -> Li
             f"{repo_id}@{commit[:12]}: offline, and the variants of this commit are not cached",
             hint=f"run `kernels pull {repo_id}@{commit}` while online",
         )
+    from . import hub  # only here and in fetch_object: a warm load never imports it
+
     listing = _validate_listing(repo_id, commit, hub.list_build_files(repo_id, commit))
     try:
         cache.ensure()
@@ -183,6 +184,8 @@ def fetch_object(
             git.update(chunk)
 
         return write, writer.abort
+
+    from . import hub
 
     path = f"build/{variant}/{f.path}"
     hub.download_to(repo_id, commit, path, open_sink, size=f.size, on_progress=progress)

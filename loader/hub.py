@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from urllib.parse import quote, urljoin, urlsplit
 
 from . import settings
@@ -27,6 +25,7 @@ from .errors import (
     KernelsError,
     UnsafeResponse,
 )
+from .remote_file import RemoteFile, is_commit_id  # noqa: F401  (re-exported: hub.RemoteFile)
 
 REPO_TYPE = "kernel"
 METADATA_TIMEOUT = 10.0
@@ -49,30 +48,6 @@ METADATA_DEADLINE = 60.0
 # fast enough to dodge the per-read timeout still ends here.
 DOWNLOAD_DEADLINE_BASE = 120.0
 DOWNLOAD_MIN_RATE = 256 << 10  # bytes per second
-_COMMIT = re.compile(r"[0-9a-f]{40}")
-
-
-def is_commit_id(value: object) -> bool:
-    """True for a full commit id as the Hub writes it: 40 lowercase hex digits. Every commit a
-    server names goes through this before it reaches the cache or a path."""
-    return isinstance(value, str) and _COMMIT.fullmatch(value) is not None
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    """One file of a remote listing, with the digests the Hub vouches for."""
-
-    path: str
-    size: int
-    git_sha1: str | None  # git blob id of the file (or of its LFS pointer)
-    lfs_sha256: str | None  # sha256 of the content, for LFS / Xet files
-
-    def to_json(self) -> dict:
-        return {"path": self.path, "size": self.size, "git": self.git_sha1, "lfs": self.lfs_sha256}
-
-    @classmethod
-    def from_json(cls, data: dict) -> RemoteFile:
-        return cls(str(data["path"]), int(data["size"]), data.get("git"), data.get("lfs"))
 
 
 class _Retryable(Exception):

@@ -11,19 +11,17 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import InvalidMetadata
+
+if TYPE_CHECKING:
+    from .metadata_extras import KernelDependency, Provenance
 
 _NAME = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MINVER = re.compile(r"^\d+\.\d+\.\d+$")
 MAX_METADATA_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class KernelDependency:
-    repo_id: str
-    version: int
 
 
 class KernelName(str):
@@ -35,62 +33,16 @@ class KernelName(str):
         return self.replace("-", "_")
 
 
-@dataclass(frozen=True)
-class GitStatus:
-    """The git state a build was made from: the commit and whether the tree was dirty."""
-
-    commit: str
-    dirty: bool = False
+# Imported on first use (most kernels have neither kernel-depends nor provenance).
+_EXTRAS = ("KernelDependency", "GitStatus", "KernelBuilderVersion", "Provenance")
 
 
-@dataclass(frozen=True)
-class KernelBuilderVersion:
-    """The kernel-builder that made the build; `git` is None when its revision is unknown."""
+def __getattr__(name: str):
+    if name in _EXTRAS:
+        from . import metadata_extras
 
-    version: str
-    git: GitStatus | None = None
-
-
-@dataclass(frozen=True)
-class Provenance:
-    """Build provenance (metadata.json `provenance`), shaped as the reference exposes it."""
-
-    kernel_builder: KernelBuilderVersion
-    kernel: GitStatus | None = None
-
-    @property
-    def dirty(self) -> bool:
-        """True when the kernel source or the kernel-builder had uncommitted changes."""
-        builder = self.kernel_builder.git
-        return bool((builder is not None and builder.dirty) or (self.kernel and self.kernel.dirty))
-
-    def dirty_sources(self) -> list[str]:
-        """Which of "kernel source" and "kernel-builder" were built from a dirty tree."""
-        out = []
-        if self.kernel is not None and self.kernel.dirty:
-            out.append("kernel source")
-        if self.kernel_builder.git is not None and self.kernel_builder.git.dirty:
-            out.append("kernel-builder")
-        return out
-
-
-def _git_status(raw: object) -> GitStatus | None:
-    if not isinstance(raw, dict) or not isinstance(raw.get("commit"), str):
-        return None
-    return GitStatus(raw["commit"], raw.get("dirty") is True)
-
-
-def _provenance(raw: object) -> Provenance | None:
-    """Parse `provenance`; a malformed block reads as absent (it is advisory, never a reason
-    to refuse a kernel)."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("kernel-builder"), dict):
-        return None
-    builder = raw["kernel-builder"]
-    version = builder.get("version")
-    return Provenance(
-        KernelBuilderVersion(str(version) if version is not None else "", _git_status(builder)),
-        _git_status(raw.get("kernel")),
-    )
+        return getattr(metadata_extras, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -122,7 +74,12 @@ class Metadata:
 
     @property
     def provenance(self) -> Provenance | None:
-        return _provenance(self.raw.get("provenance"))
+        raw = self.raw.get("provenance")
+        if not isinstance(raw, dict):
+            return None  # the common case: no import of metadata_extras
+        from .metadata_extras import parse_provenance
+
+        return parse_provenance(raw)
 
     @classmethod
     def read_from_file(cls, path: str | Path) -> Metadata:
@@ -191,6 +148,8 @@ class Metadata:
         listed = raw.get("kernel-depends", []) or []
         if not isinstance(listed, list):
             raise InvalidMetadata(f"{where}: kernel-depends must be a list")
+        if listed:
+            from .metadata_extras import KernelDependency
         for item in listed:
             if (
                 not isinstance(item, dict)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kernels.cache import Cache, ResolutionRecord
 
-from . import hub, settings
+from . import settings
 from .errors import (
     HubUnavailable,
     IntegrityError,
@@ -85,6 +85,8 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
             f"{repo_id}@{ref}: offline, and this revision was never resolved on this machine",
             hint=f"run `kernels pull {repo_id}@{ref}` while online, or pin a cached commit",
         )
+    from . import hub  # the network paths only: a warm load never imports it
+
     try:
         commit = hub.resolve_revision(repo_id, ref)
     except HubUnavailable as exc:
@@ -122,6 +124,8 @@ def _explain_missing_revision(
 
     if version is None:
         return revision_not_found(f"{repo_id} has no branch, tag or commit {ref!r}", cause)
+    from . import hub
+
     try:
         branches = hub.list_refs(repo_id)["branches"]
     except Exception:  # the explanation is best effort; the error below stands on its own
@@ -136,6 +140,8 @@ def _explain_missing_revision(
 
 def available_versions(repo_id: str) -> dict[int, str]:
     """{N: commit} for every branch 'v<N>' of the repo (one request)."""
+    from . import hub
+
     branches = hub.list_refs(repo_id)["branches"]
     out = {}
     for name, commit in branches.items():

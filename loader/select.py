@@ -14,8 +14,6 @@ import functools
 import warnings
 from pathlib import Path
 
-from packaging.version import Version
-
 from ._version import __version__
 from .errors import NoCompatibleVariant
 from .metadata import Metadata
@@ -27,11 +25,19 @@ NATIVE_SUFFIXES = (".so", ".pyd", ".dylib")
 
 def check_metadata(metadata: Metadata, system: SystemInfo, *, check_arch: bool) -> str | None:
     """Why the variant with this metadata cannot run here, or None."""
-    if metadata.kernels_minver and Version(metadata.kernels_minver) > Version(__version__):
+    if metadata.kernels_minver and _newer_than_this(metadata.kernels_minver):
         return f"needs kernels >= {metadata.kernels_minver}, this is kernels {__version__}"
     if check_arch:
         return check_archs(metadata.backend, system)
     return None
+
+
+def _newer_than_this(minver: str) -> bool:
+    # packaging.version compiles a large regex on import: paid only by kernels that declare
+    # kernels-minver, not by every warm load.
+    from packaging.version import Version
+
+    return Version(minver) > Version(__version__)
 
 
 def check_native(tree: Path) -> str | None:

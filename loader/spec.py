@@ -15,13 +15,15 @@ from .errors import InvalidSpec
 # The Hub's rules for a namespace and a repo name: letters, digits, '-', '_', '.', no leading or
 # trailing '-'/'.', no '--' or '..', at most 96 characters each.
 _NAME = re.compile(r"^(?![-.])(?!.*(--|\.\.))[A-Za-z0-9_.\-]{1,96}(?<![-.])$")
-_LAYER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Patterns kept as strings are compiled on first use (re caches them): a warm get_kernel names
+# no layer and pastes no URL, so it does not pay for them.
+_LAYER = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _VERSION_BRANCH = re.compile(r"^v(0|[1-9][0-9]{0,8})$")
 # Branch and tag names the Hub accepts; git revision expressions (~ ^ : .. @{ and spaces) are not.
 _REVISION = re.compile(r"^(?!.*(\.\.|@\{|//))(?![/.-])[A-Za-z0-9._/\-]{1,255}(?<![/.])$")
 # A pasted Hub (or mirror) page address: https://huggingface.co/org/repo[/tree/<rev>[/...]]
-_HUB_URL = re.compile(
+_HUB_URL = (
     r"^(?:[a-z][a-z0-9+.-]*://)?[^/\s]+/"
     r"(?P<repo>[^/\s]+/[^/\s?#]+)(?:/tree/(?P<rev>[^/\s?#]+))?"
 )
@@ -31,7 +33,7 @@ def _url_error(text: str) -> InvalidSpec | None:
     """An InvalidSpec naming the spec to write instead of a pasted URL, or None."""
     if "://" not in text and not text.startswith(("huggingface.co/", "hf.co/")):
         return None
-    match = _HUB_URL.match(text)
+    match = re.match(_HUB_URL, text)
     if match is None:
         return InvalidSpec(f"{text!r} is a URL, not a kernel spec", hint="use org/repo[@revision]")
     spec = match["repo"] + (f"@{match['rev']}" if match["rev"] else "")
@@ -140,7 +142,7 @@ def make_spec(
         validate_revision(revision)
     if version is not None:
         validate_version(version)
-    if layer is not None and not _LAYER.match(layer):
+    if layer is not None and not re.match(_LAYER, layer):
         raise InvalidSpec(f"{layer!r} is not a valid layer name")
     return KernelSpec(repo_id=repo_id, revision=revision, version=version, layer=layer)
 
@@ -194,7 +196,7 @@ def _split_layer(text: str, *, windows_drive: bool = False) -> tuple[str, str | 
     if not sep:
         return text, None
     head = text[:start] + head
-    if not layer or not _LAYER.match(layer):
+    if not layer or not re.match(_LAYER, layer):
         raise InvalidSpec(f"{text!r}: {layer!r} is not a valid layer name")
     if not head:
         raise InvalidSpec(f"{text!r}: missing repo before ':'")

@@ -24,55 +24,30 @@ a trust decision of its own (api.py: `trust_remote_code=True` names the caller's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kernels.cache import Cache
 from kernels.cache.fsutil import atomic_write_bytes
 from kernels.cache.records import endpoint_key
 
 from .errors import KernelNotFound, KernelStatusError
-from .spec import validate_repo_id, validate_revision
+
+if TYPE_CHECKING:
+    from .status_file import Redirect
 
 FILENAME = "kernel-status.toml"
 MAX_BYTES = 64 * 1024
 MAX_HOPS = 4
 
 
-@dataclass(frozen=True)
-class Redirect:
-    """Load `destination` at `revision` instead of this repo."""
+def __getattr__(name: str):
+    # The file's format is read only when a record holds a status file: most repos have none.
+    if name in ("Redirect", "parse"):
+        from . import status_file
 
-    destination: str
-    revision: str = "main"
-    kind: str = "redirect"
-
-
-def parse(text: str, *, where: str = FILENAME) -> Redirect:
-    """A kernel-status.toml's status; KernelStatusError (a ValueError) when it is malformed."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise KernelStatusError(f"{where}: not valid TOML ({exc})") from None
-    kind = data.get("kind")
-    if not kind:
-        raise KernelStatusError(f"{where}: kernel-status.toml must contain a 'kind' field")
-    if kind != "redirect":
-        raise KernelStatusError(f"{where}: Unknown kernel status kind: {kind!r}")
-    destination = data.get("destination")
-    if not isinstance(destination, str) or not destination:
-        raise KernelStatusError(f"{where}: kernel-status.toml must contain a 'destination' field")
-    revision = data.get("revision", "main")
-    if not isinstance(revision, str):
-        raise KernelStatusError(f"{where}: 'revision' must be a string, got {revision!r}")
-    # The destination becomes a request of its own: hold it to the same rules as a user's.
-    validate_repo_id(destination)
-    validate_revision(revision)
-    return Redirect(destination, revision)
+        return getattr(status_file, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _record_path(cache: Cache, repo_id: str, commit: str) -> Path:
@@ -142,4 +117,6 @@ def lookup(cache: Cache, repo_id: str, commit: str, *, network: bool) -> Redirec
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise KernelStatusError(f"{repo_id}@{commit[:12]}: {FILENAME} is not UTF-8") from None
+    from .status_file import parse
+
     return parse(text, where=f"{repo_id}@{commit[:12]}/{FILENAME}")

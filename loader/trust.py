@@ -19,7 +19,7 @@ import time
 
 from kernels.cache import Cache, TrustRecord
 
-from . import hub, settings
+from . import settings
 from .errors import HubUnavailable, UntrustedPublisher
 
 TrustArg = bool | list[str] | tuple[str, ...] | None
@@ -84,6 +84,8 @@ def ensure_trusted(
             "be asked (offline)"
             + ("; the Hub said it is not trusted when last asked" if record else "")
         )
+    from . import hub  # asking the Hub: never on a warm load
+
     try:
         trusted = hub.publisher_trusted(publisher)
     except HubUnavailable:

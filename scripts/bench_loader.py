@@ -30,6 +30,7 @@ REPO = "kernels-lab/activation"
 # Children run outside the checkout: the repo root holds this project's editable-install
 # metadata, which the reference's interpreter would otherwise report as its own version.
 CWD = tempfile.gettempdir()
+WARM_RUNS = 9
 
 LOAD = """
 import json, sys, time
@@ -181,14 +182,16 @@ def measure(name: str, python: str, mirror: Path, base: Path) -> dict:
             len(server.take_requests()),
             cold.get("ok"),
         )
-        warm = load(python, env)
-        row["warm_s"], row["warm_req"], row["warm_ok"] = (
-            warm.get("load_s"),
-            len(server.take_requests()),
-            warm.get("ok"),
+        # Warm: the median of WARM_RUNS new processes (one sample swings with the machine's
+        # load by more than the differences this row is read for); requests are per load.
+        warms = [load(python, env) for _ in range(WARM_RUNS)]
+        row["warm_ok"] = all(w.get("ok") for w in warms)
+        row["warm_req"] = len(server.take_requests()) / WARM_RUNS
+        row["warm_s"] = statistics.median(w.get("load_s") or 0 for w in warms)
+        row["warm_total_s"] = statistics.median(
+            (w.get("import_s") or 0) + (w.get("load_s") or 0) for w in warms
         )
         row["cold_total_s"] = (cold.get("import_s") or 0) + (cold.get("load_s") or 0)
-        row["warm_total_s"] = (warm.get("import_s") or 0) + (warm.get("load_s") or 0)
         repeat = load(python, env, again=5)
         row["again_ms"] = statistics.median(repeat.get("again_s") or [float("nan")]) * 1e3
         row["again_req_per_call"] = (
@@ -269,7 +272,7 @@ def table(rows: list[dict]) -> str:
         f"| `import kernels` | {s(ref['import_s'], '.3f')} s | {s(ours['import_s'], '.3f')} s | ≤ 0.08 s |",
         f"| `kernels --help` | {s(ref['help_s'], '.3f')} s | {s(ours['help_s'], '.3f')} s | ≤ 0.2 s |",
         f"| cold `get_kernel(version=1)`, new process: call / import + call / requests | {s(ref['cold_s'], '.3f')} s / {s(ref['cold_total_s'], '.3f')} s / {ref['cold_req']} | {s(ours['cold_s'], '.3f')} s / {s(ours['cold_total_s'], '.3f')} s / {ours['cold_req']} | |",
-        f"| warm `get_kernel(version=1)`, new process: call / import + call / requests | {s(ref['warm_s'], '.3f')} s / {s(ref['warm_total_s'], '.3f')} s / {ref['warm_req']} | {s(ours['warm_s'], '.3f')} s / {s(ours['warm_total_s'], '.3f')} s / {ours['warm_req']} | 0 requests |",
+        f"| warm `get_kernel(version=1)`, new process (median of {WARM_RUNS}): call / import + call / requests per load | {s(ref['warm_s'], '.3f')} s / {s(ref['warm_total_s'], '.3f')} s / {s(ref['warm_req'], '.0f')} | {s(ours['warm_s'], '.3f')} s / {s(ours['warm_total_s'], '.3f')} s / {s(ours['warm_req'], '.0f')} | 0 requests |",
         f"| same call again in the same process: time / requests per call | {s(ref['again_ms'], '.2f')} ms / {s(ref['again_req_per_call'], '.0f')} | {s(ours['again_ms'], '.3f')} ms / {s(ours['again_req_per_call'], '.0f')} | < 1 ms, 0 |",
         f"| 8 processes cold-start the same kernel: requests (file GETs), processes ok | {ref['eight_req']} ({ref['eight_file_gets']}), {ref['eight_ok']}/8 | {ours['eight_req']} ({ours['eight_file_gets']}), {ours['eight_ok']}/8 | independent of the process count; each file once |",
         f"| offline (`HF_HUB_OFFLINE=1`) after an online `version=1` load | {ref['offline']} | {ours['offline']} | works |",
@@ -279,6 +282,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _loadavg() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ours", default=str(ROOT / ".venv/bin/python"))
@@ -286,6 +296,7 @@ def main() -> int:
     parser.add_argument("--out", help="write the table as markdown here")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-loader-"))
+    load_before = _loadavg()
     from kernels.serve import build_mirror
 
     mirror = base / "mirror"
@@ -303,7 +314,9 @@ def main() -> int:
         f"with huggingface_hub {version_of(args.ours, 'huggingface_hub')}; torch "
         f"{version_of(args.ours, 'torch')}. Server: `kernels serve` on 127.0.0.1 over hub_kernels/; "
         "requests counted at the server (telemetry excluded). Times are wall time of the call after "
-        "`import torch`; `import kernels` and `--help` are medians of 7 and 5 runs."
+        f"`import torch`; `import kernels`, `--help` and the warm load are medians of 7, 5 and "
+        f"{WARM_RUNS} runs. Load average (1 min) at the start / end: {load_before} / "
+        f"{_loadavg()} (other jobs on the machine add to every time)."
     )
     print(header + "\n\n" + text)
     if args.out:

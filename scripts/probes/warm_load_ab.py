@@ -4,6 +4,8 @@ Both trees are imported through a path shim (loader/ as `kernels`, cache/ as `ke
 from `git archive` copies, with bytecode written, against one `kernels serve` mirror of this
 tree's hub_kernels/; each has its own warm cache. Prints the median and minimum call time
 (after `import torch`, including the lazy import of `kernels.api`) and asserts zero requests.
+On a shared machine the minimum is the steadier figure: other jobs only ever add time; the load
+average before and after is printed so a noisy run can be told from a quiet one.
 
     python scripts/probes/warm_load_ab.py 55eda33 [--runs 20]
 """
@@ -37,6 +39,13 @@ def tree(rev: str, dest: Path) -> Path:
     return shim
 
 
+def _loadavg() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", help="the older commit")
@@ -66,6 +75,7 @@ def main() -> int:
         envs[name] = env
         subprocess.run([sys.executable, "-c", CODE], env=env, check=True, cwd=work)  # cold
     times: dict[str, list[float]] = {name: [] for name in envs}
+    load_before = _loadavg()
     for _ in range(args.runs):
         for name, env in envs.items():
             before = len(server.requests)
@@ -75,13 +85,15 @@ def main() -> int:
             assert len(server.requests) == before, f"{name}: a warm load made requests"
             times[name].append(float(out.stdout.strip().splitlines()[-1]))
     server.shutdown()
+    print(f"load average before / after: {load_before} / {_loadavg()}")
     for name, values in times.items():
         print(
             f"{name:>10}: median {statistics.median(values) * 1e3:.1f} ms, "
             f"min {min(values) * 1e3:.1f} ms, {len(values)} runs, 0 requests"
         )
     ratio = statistics.median(times["HEAD"]) / statistics.median(times[args.base])
-    print(f"HEAD / {args.base}: {ratio:.3f}")
+    low = min(times["HEAD"]) / min(times[args.base])
+    print(f"HEAD / {args.base}: {ratio:.3f} (medians), {low:.3f} (minimums)")
     return 0
 
 
