@@ -259,18 +259,21 @@ def _fwd_candidates(m_pow2: int, n: int) -> list[dict]:
     return [cfg(4096, 8), cfg(4096, 4), cfg(8192, 8), cfg(8192, 4), cfg(2048, 4)]
 
 
-def bwd_candidates(m: int, n: int) -> list[dict]:
+def bwd_candidates(m: int, n: int, dw: bool = True) -> list[dict]:
     """Persistent-backward geometries worth timing for this width (the first is the default).
 
     Rows per program-iteration (tile), warps, programs per SM and register prefetch of the next
     rows; measured on an H200, the best differ between wide rows, small batches and head-dim rows.
+    With `dw` (the weight's gradient is computed) every geometry runs one program per SM, so its
+    fp32 dW partials, one row per program, take no more memory than Liger's (one row per SM);
+    without, several programs per SM may share it, which small batches gain from.
     """
-    return _bwd_candidates(next_pow2(m), n)
+    return _bwd_candidates(next_pow2(m), n, dw)
 
 
 # Keyed by the row count's power of two, all the lists depend on: varying sequence lengths hit.
 @functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
-def _bwd_candidates(m_pow2: int, n: int) -> list[dict]:
+def _bwd_candidates(m_pow2: int, n: int, dw: bool) -> list[dict]:
     block_n = next_pow2(n)
 
     def cfg(tile, warps, per_sm, prefetch, acc_2d=False):
@@ -279,13 +282,25 @@ def _bwd_candidates(m_pow2: int, n: int) -> list[dict]:
                 "ACC_2D": acc_2d}  # fmt: skip
 
     if block_n <= 512:  # q/k norms: many short rows per program
+        if dw:
+            return [cfg(8192, 8, 1, False, True), cfg(4096, 4, 1, False, True),
+                    cfg(16384, 8, 1, False, True), cfg(8192, 4, 1, False, True),
+                    cfg(4096, 8, 1, False, True)]  # fmt: skip
         return [cfg(4096, 2, 4, False), cfg(4096, 4, 2, True), cfg(2048, 2, 8, False),
                 cfg(4096, 4, 2, False, True), cfg(4096, 2, 4, False, True),
                 cfg(8192, 4, 2, False, True), cfg(2048, 2, 4, True, True)]  # fmt: skip
     if block_n > 16384:
-        return [cfg(block_n, 16, 1, False), cfg(block_n, 16, 1, True)]
-    return [cfg(16384, 8, 1, False), cfg(8192, 16, 1, True), cfg(8192, 8, 1, True),
-            cfg(4096, 8, 2, True), cfg(4096, 4, 2, False), cfg(16384, 16, 1, True)]  # fmt: skip
+        return [cfg(block_n, 16, 1, False), cfg(block_n, 16, 1, True), cfg(block_n, 32, 1, False)]
+    # One row per iteration with 16 warps and no prefetch is Liger's geometry; 32 warps keep
+    # 16384-wide rows at 16 elements a thread.
+    wide = [cfg(16384, 8, 1, False), cfg(8192, 16, 1, True), cfg(8192, 8, 1, True),
+            cfg(16384, 16, 1, True), cfg(block_n, 16, 1, False)]  # fmt: skip
+    if block_n >= 8192:
+        wide += [cfg(block_n, 32, 1, False), cfg(block_n, 32, 1, True)]
+    if not dw:
+        wide += [cfg(4096, 8, 2, True), cfg(4096, 4, 2, False)]
+    # A geometry listed twice (tiles that clamp to one row) is timed once.
+    return [c for i, c in enumerate(wide) if c not in wide[:i]]
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, gemma) -> torch.dtype:
@@ -395,9 +410,9 @@ def backward(
         if dx is dy:
             # Timing launches several times, and a launch after the first would read a dx as
             # dy: in place takes the geometry an earlier out-of-place call timed, or the default.
-            cfg = cached_config(key) or bwd_candidates(m, n)[0]
+            cfg = cached_config(key) or bwd_candidates(m, n, compute_dw)[0]
         else:
-            cfg = pick_config(key, bwd_candidates(m, n), launch)
+            cfg = pick_config(key, bwd_candidates(m, n, compute_dw), launch)
     part = launch(cfg)
     dw = column_sum(part, weight.dtype) if compute_dw else x.new_empty(0)
     return dx, dw
