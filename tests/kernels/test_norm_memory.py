@@ -1,6 +1,8 @@
-"""The norms' backward memory: whichever geometry the autotuner picks, the fp32 dW (and dB)
-partials take no more than Liger's, one row per SM, so the extra peak above dx and the weight
-gradients is never more than Liger's. Measured by a tensor-registry probe of live storages."""
+"""The norms' backward memory with the "v2" geometry family (KERNELS_NORM_BWD_GEOMETRIES=v2):
+whichever geometry the autotuner picks, the fp32 dW (and dB) partials take no more than Liger's,
+one row per SM, so the extra peak above dx and the weight gradients is never more than Liger's.
+Measured by a tensor-registry probe of live storages. "v1", the default measured on an H200, may
+run several programs per SM and keeps its partials per program."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def test_rms_norm_backward_partials_are_at_most_liger(kt, shape, residual):
     _y, rstd, _s = mod.forward(x, w, 1e-6, False)
     x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
     rms_norm64(x64, w64, 1e-6).backward(dy.double())
-    candidates = mod.bwd_candidates(*shape)
+    candidates = mod.bwd_candidates(*shape, family="v2")
     assert candidates  # the list the GPU times; each one is held to the budget
     for cfg in candidates:
         extra, (dx, dw) = extra_peak(
@@ -58,7 +60,7 @@ def test_layer_norm_backward_partials_are_at_most_liger(kt, shape):
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
     layer_norm64(x64, w64, b64, 1e-5).backward(dy.double())
     rms = module(kt, "rms_norm")
-    for cfg in rms.bwd_candidates(*shape):
+    for cfg in rms.bwd_candidates(*shape, family="v2"):
         extra, (dx, dw, db) = extra_peak(
             lambda c=cfg: mod.backward(dy, x, w, mean, rstd, True, True, c)
         )
@@ -72,5 +74,19 @@ def test_without_dw_several_programs_per_sm_stay_candidates(kt):
     """No weight gradient, no partials: the geometries that run two programs per SM (small
     batches gain from them) are still timed."""
     mod = module(kt, "rms_norm")
-    assert any(c["per_sm"] > 1 for c in mod.bwd_candidates(1024, 8192, dw=False))
-    assert all(c["per_sm"] == 1 for c in mod.bwd_candidates(1024, 8192))
+    assert any(c["per_sm"] > 1 for c in mod.bwd_candidates(1024, 8192, dw=False, family="v2"))
+    assert all(c["per_sm"] == 1 for c in mod.bwd_candidates(1024, 8192, family="v2"))
+
+
+def test_the_family_comes_from_the_environment(kt, monkeypatch):
+    from conftest import load_variant
+
+    monkeypatch.setenv("KERNELS_NORM_BWD_GEOMETRIES", "v2")
+    fresh = load_variant()
+    mod = module(fresh, "rms_norm")
+    assert mod.BWD_GEOMETRIES == "v2"
+    assert mod.bwd_candidates(4096, 4096) == mod.bwd_candidates(4096, 4096, family="v2")
+    assert module(kt, "rms_norm").BWD_GEOMETRIES == "v1"  # the default
+    monkeypatch.setattr(mod, "BWD_GEOMETRIES", "v3")
+    with pytest.raises(ValueError, match="KERNELS_NORM_BWD_GEOMETRIES must be one of"):
+        mod.bwd_candidates(4096, 4096)
