@@ -8,12 +8,14 @@ queued sleep kernel, L2 flushed; wall time is do_bench), memory is the extra pea
 fwd+bwd above what is held before and after it. Sections, each one table:
 
 - ``e2e``: RMSNorm {1024, 4096, 16384} x {8192, 16384} and 4096x4096 (ours as the layer runs it,
-  Liger, F.rms_norm), fused add + RMSNorm and LayerNorm (ours, Liger) at 1024x8192 and
-  4096x4096. Each of our rows is checked against an fp32 reference of the same bf16 inputs.
+  with the default backward geometries "v1" and with "v2", Liger, F.rms_norm), fused add +
+  RMSNorm and LayerNorm (the same ours, Liger) at 1024x8192 and 4096x4096. Each RMSNorm shape's
+  ours is checked against an fp32 reference of the same bf16 inputs.
 - ``cand``: the RMSNorm backward (kernel + dW column sum) alone at each geometry worth
-  considering, shipped or proposed, with the size of its fp32 dW partials (Liger keeps one row
-  per SM); the first row of each shape is the geometry the shipped code picks by timing, and
-  every geometry's dx and dW are compared with the default geometry's.
+  considering: family "v1" (the default), "v2" (KERNELS_NORM_BWD_GEOMETRIES=v2: dW partials one
+  row per SM, as Liger's) and further proposals, with the size of its fp32 dW partials; the
+  first row of each shape is v1's default, "(picked)" marks what v1's timing picks, and every
+  geometry's dx and dW are compared with the default geometry's.
 - ``glu``: the SwiGLU product at 16384x14336 and 16384x3072 (ours as the MLP layers run it,
   the functional default out of place, Liger), and whole MLPs at 16384 tokens: Llama's
   (hidden 4096 / 14336 and 1024 / 3072) and Phi-3's fused gate_up (3072 / 8192), ours as
@@ -141,19 +143,43 @@ def check_rms_norm(kt, m: int, n: int) -> str:
     return ("ok" if ok else "FAIL") + " (y {:.1e}, dx {:.1e}, dw {:.1e})".format(*errs)
 
 
+def with_v2(case: Case, rn) -> Case:
+    """`case` plus "ours v2": ours with the v2 backward geometries (its own tuned choices)."""
+    ours = next(i for i in case.impls if i.name == "ours")
+
+    def switched(fn):
+        def run():
+            before, rn.BWD_GEOMETRIES = rn.BWD_GEOMETRIES, "v2"
+            try:
+                return fn()
+            finally:
+                rn.BWD_GEOMETRIES = before
+
+        return run
+
+    def make():
+        fwd, fwd_bwd = ours.make()
+        return switched(fwd), switched(fwd_bwd)
+
+    case.impls.append(Impl("ours v2", make))
+    return case
+
+
 def e2e(kt) -> list[dict]:
+    rn = importlib.import_module(f"{kt.__name__}.rms_norm")
+    keep = ["F.rms_norm", "liger", "ours", "ours v2"]
     rows = []
     for m, n in RMS_SHAPES:
         log(f"e2e RMSNorm {m}x{n}")
-        case_rows = run_filtered(rms_norm_case(m, n), ["F.rms_norm", "liger", "ours"])
+        case_rows = run_filtered(with_v2(rms_norm_case(m, n), rn), keep)
         check = check_rms_norm(kt, m, n)
         for r in case_rows:
             r["check"] = check if r["impl"] == "ours" else ""
         rows += case_rows
     for m, n in SMALL_SHAPES:
         log(f"e2e AddRMSNorm / LayerNorm {m}x{n}")
-        rows += run_filtered(add_rms_norm_case(m, n), ["liger", "ours"])
-        rows += run_filtered(layer_norm_case(m, n), ["liger", "ours"])
+        rows += run_filtered(with_v2(add_rms_norm_case(m, n), rn), keep)
+        rows += run_filtered(with_v2(layer_norm_case(m, n), rn), keep)
     return rows
 
 
@@ -169,17 +195,8 @@ def candidate_geometries(rn, m: int, n: int) -> list[tuple[str, dict]]:
         return {"BLOCK_M": max(1, min(block_m, m_pow2)), "num_warps": warps, "per_sm": per_sm,
                 "PREFETCH": prefetch, "ACC_2D": acc_2d}  # fmt: skip
 
-    shipped = [("shipped", c) for c in rn.bwd_candidates(m, n)]
-    # The lists before the dW partials were held to one row per SM (commit 266bb34).
-    if block_n <= 512:
-        old = [cfg(4096 // block_n, 2, 4, False), cfg(4096 // block_n, 4, 2, True),
-               cfg(2048 // block_n, 2, 8, False), cfg(4096 // block_n, 4, 2, False, True),
-               cfg(4096 // block_n, 2, 4, False, True), cfg(8192 // block_n, 4, 2, False, True),
-               cfg(2048 // block_n, 2, 4, True, True)]  # fmt: skip
-    else:
-        old = [cfg(16384 // block_n, 8, 1, False), cfg(8192 // block_n, 16, 1, True),
-               cfg(8192 // block_n, 8, 1, True), cfg(4096 // block_n, 8, 2, True),
-               cfg(4096 // block_n, 4, 2, False), cfg(16384 // block_n, 16, 1, True)]  # fmt: skip
+    shipped = [("v1", c) for c in rn.bwd_candidates(m, n, family="v1")]
+    v2 = rn.bwd_candidates(m, n, family="v2")
     if block_n <= 512:  # short rows: one program per SM, more warps, per-row dW partials
         rows = 4096 // block_n
         extra = [cfg(rows * k, w, 1, False, True) for k in (1, 2, 4) for w in (4, 8)]
@@ -188,7 +205,7 @@ def candidate_geometries(rn, m: int, n: int) -> list[tuple[str, dict]]:
         extra = [cfg(bm, w, 1, p) for bm in sizes for w in warps for p in (False, True)]
     seen = [c for _, c in shipped]
     out = list(shipped)
-    for label, group in (("old", old), ("proposed", extra)):
+    for label, group in (("v2", v2), ("proposed", extra)):
         for c in group:
             if c not in seen and c["BLOCK_M"] * block_n <= 65536:
                 seen.append(c)
@@ -211,11 +228,17 @@ def cand_shape(rn, m: int, n: int) -> list[dict]:
     w = (1 + 0.1 * torch.randn(n, device="cuda")).to(DT)
     dy = torch.randn(m, n, device="cuda", dtype=DT)
     _y, rstd, _s = rn.forward(x, w, 1e-6, numer)
-    # What the shipped code picks by timing (the first call tunes and caches it).
-    rn.backward(dy, x, w, rstd, numer, True)
-    key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, w.dtype, x.device, rn.LLAMA, True,
-           False, False)  # fmt: skip
-    picked = rn.cached_config(key)
+    # What each family picks by timing (the first call tunes and caches it).
+    picked = {}
+    for family in rn.GEOMETRY_FAMILIES:
+        before, rn.BWD_GEOMETRIES = rn.BWD_GEOMETRIES, family
+        try:
+            rn.backward(dy, x, w, rstd, numer, True)
+        finally:
+            rn.BWD_GEOMETRIES = before
+        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, w.dtype, x.device, rn.LLAMA,
+               True, False, False, family)  # fmt: skip
+        picked[family] = rn.cached_config(key)
     rows, runs = [], []
     for label, c in candidate_geometries(rn, m, n):
         dx = torch.empty_like(x)
@@ -237,7 +260,8 @@ def cand_shape(rn, m: int, n: int) -> list[dict]:
             spans.append(_device_ms(fn))
     for spans, (label, c, _fn, dx, dw) in zip(times, runs, strict=True):
         rows.append({
-            "shape": f"{m}x{n}", "label": label + (" (picked)" if c == picked else ""),
+            "shape": f"{m}x{n}",
+            "label": label + "".join(f" ({f} picks)" for f, p in picked.items() if p == c),
             "cfg": c, "ms": statistics.median(spans), "partial_mib": partial_mib(rn, m, n, c),
             "liger_mib": sms * n * 4 / 2**20,
             "check": f"dx {rel_err(dx, base_dx):.0e} dw {rel_err(dw, base_dw):.0e}",

@@ -13,8 +13,9 @@ import torch
 from _live_bytes import extra_peak
 from _training_refs import assert_close, layer_norm64, rms_norm64
 
-# Wide rows (several rows per program-iteration) and head-dim rows (many rows per program).
-SHAPES = [(64, 1000), (1024, 128)]
+# Wide rows (several rows per program-iteration), head-dim rows (many rows per program) and
+# rows wide enough for the 32-warp geometries.
+SHAPES = [(64, 1000), (1024, 128), (8, 9000)]
 
 
 def module(kt, name: str):
