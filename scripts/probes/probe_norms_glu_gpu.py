@@ -2,6 +2,7 @@
 
     python scripts/probes/probe_norms_glu_gpu.py                 # all sections, < 3 min on an H200
     python scripts/probes/probe_norms_glu_gpu.py --part cand     # one section: e2e, cand or glu
+    python scripts/probes/probe_norms_glu_gpu.py --part cand --explore  # + geometries in neither
 
 bf16 throughout; times are the bench harness's (device time with host work hidden behind a
 queued sleep kernel, L2 flushed; wall time is do_bench), memory is the extra peak of one warm
@@ -186,8 +187,9 @@ def e2e(kt) -> list[dict]:
 # --- cand ---------------------------------------------------------------------------------------
 
 
-def candidate_geometries(rn, m: int, n: int) -> list[tuple[str, dict]]:
-    """(label, cfg): the shipped list first (in its order), then proposals not in it."""
+def candidate_geometries(rn, m: int, n: int, explore: bool = False) -> list[tuple[str, dict]]:
+    """(label, cfg): v1 (the default, in its order), then v2's geometries not in it, then (with
+    `explore`) one-program-per-SM geometries in neither list."""
     block_n = rn.next_pow2(n)
     m_pow2 = rn.next_pow2(m)
 
@@ -205,7 +207,7 @@ def candidate_geometries(rn, m: int, n: int) -> list[tuple[str, dict]]:
         extra = [cfg(bm, w, 1, p) for bm in sizes for w in warps for p in (False, True)]
     seen = [c for _, c in shipped]
     out = list(shipped)
-    for label, group in (("v2", v2), ("proposed", extra)):
+    for label, group in (("v2", v2), ("proposed", extra if explore else [])):
         for c in group:
             if c not in seen and c["BLOCK_M"] * block_n <= 65536:
                 seen.append(c)
@@ -220,7 +222,7 @@ def partial_mib(rn, m: int, n: int, c: dict) -> float:
     return programs * n * 4 / 2**20
 
 
-def cand_shape(rn, m: int, n: int) -> list[dict]:
+def cand_shape(rn, m: int, n: int, explore: bool) -> list[dict]:
     """Every geometry's backward at one shape, timed in turns; checked against the default's."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     numer = (0.0, rn.LLAMA)
@@ -240,7 +242,7 @@ def cand_shape(rn, m: int, n: int) -> list[dict]:
                True, False, False, family)  # fmt: skip
         picked[family] = rn.cached_config(key)
     rows, runs = [], []
-    for label, c in candidate_geometries(rn, m, n):
+    for label, c in candidate_geometries(rn, m, n, explore):
         dx = torch.empty_like(x)
 
         def fn(c=c, dx=dx):
@@ -269,11 +271,11 @@ def cand_shape(rn, m: int, n: int) -> list[dict]:
     return rows
 
 
-def cand(kt) -> list[dict]:
+def cand(kt, explore: bool) -> list[dict]:
     rows = []
     for m, n in CAND_SHAPES:
         log(f"cand RMSNorm backward {m}x{n}")
-        rows += cand_shape(importlib.import_module(f"{kt.__name__}.rms_norm"), m, n)
+        rows += cand_shape(importlib.import_module(f"{kt.__name__}.rms_norm"), m, n, explore)
         torch.cuda.empty_cache()
     return rows
 
@@ -405,6 +407,9 @@ def glu(kt) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["all", "e2e", "cand", "glu"], default="all")
+    parser.add_argument(
+        "--explore", action="store_true", help="cand: also geometries in neither family (slower)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("probe_norms_glu_gpu: needs a CUDA GPU; nothing to do on this machine")
@@ -413,7 +418,7 @@ def main() -> None:
     t0 = time.perf_counter()
     print(f"# probe_norms_glu_gpu ({torch.cuda.get_device_name()}, torch {torch.__version__})")
     sections = [
-        ("cand", "RMSNorm backward geometries", lambda: cand_table(cand(kt))),
+        ("cand", "RMSNorm backward geometries", lambda: cand_table(cand(kt, args.explore))),
         ("e2e", "Norms, fwd+bwd", lambda: table(e2e(kt), ("check",))),
         ("glu", "Gated MLP", lambda: table(glu(kt), ("check",))),
     ]
