@@ -299,7 +299,7 @@ class FusedGeGLUMLP(nn.Module):
 def fused_gate_up_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """down(act(gate) * up) with gate, up the halves of gate_up_proj(x), the product fused;
     d(gate_up) written over gate_up's output where that output is private (see below)."""
-    code, _approximate = _glu_code(module)
+    code = _glu_code(module)[0]
     gate_up = module.gate_up_proj(x)
     product = glu_halves(gate_up, code, in_place=_outputs_private(module.gate_up_proj))
     return module.down_proj(product)
