@@ -43,6 +43,10 @@ def _cases(kt):
         "silu_mul": (kt.silu_mul, (a, b)),
         "gelu_mul": (kt.gelu_mul, (a, b)),
         "silu": (kt.silu, (a,)),
+        "glu_halves": (
+            lambda gu: kt.layers.glu_halves(gu * 1, kt.layers.SILU, in_place=True),
+            (torch.randn(5, 48, requires_grad=True),),
+        ),
         "rope": (lambda q, k: kt.apply_rotary_pos_emb(q, k, cos, sin), (q, k)),
     }
 
@@ -58,6 +62,7 @@ def _cases(kt):
         "silu_mul",
         "gelu_mul",
         "silu",
+        "glu_halves",
         "rope",
     ],
 )

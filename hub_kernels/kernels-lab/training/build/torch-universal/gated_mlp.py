@@ -11,6 +11,12 @@ Gate and up are written side by side into one [tokens, 2I] buffer (two matmuls i
 halves, no copy of the weights), so that the backward works on one buffer too: d(W) of both
 weights is a single [2I, H] matmul whose row halves become the two gradients, and d(x) is a
 matmul plus a second one accumulated into it (no separate sum).
+
+d(gate) and d(up) are written over gate and up themselves (the buffer is this function's own:
+nothing else holds it), so the backward allocates no [tokens, 2I] gradient buffer; Liger's
+SwiGLU writes its gradients over its inputs the same way. A backward that keeps its graph
+(``retain_graph=True``) takes a new buffer instead, and the bumped version counter makes any
+other reuse of the overwritten buffer autograd's error rather than a wrong gradient.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ._common import has_hooks
-from .swiglu import GELU_ERF, GELU_TANH, SILU, _glu_backward_any, _glu_forward_any
+from .swiglu import GELU_ERF, GELU_TANH, SILU, _glu_backward_any, _glu_forward_any, graph_is_freed
 
 __all__ = ["GELU_ERF", "GELU_TANH", "SILU", "GatedMLPFunction", "gated_mlp"]
 
@@ -46,12 +52,16 @@ class GatedMLPFunction(torch.autograd.Function):
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dh = dy2 @ w_down
-        d_gate_up = torch.empty_like(gate_up)
+        overwrite = graph_is_freed()
+        d_gate_up = gate_up if overwrite else torch.empty_like(gate_up)
         d_gate, d_up = d_gate_up[:, :inter], d_gate_up[:, inter:]
         # One pass: d(gate), d(up), and h = act(gate) * up recomputed into dh's own buffer
         # (each element of dh is read before h overwrites it), for down_proj's weight gradient.
         need_h = ctx.needs_input_grad[3]
+        # Each element of gate and up is read before its gradient overwrites it, by one program.
         _glu_backward_any(dh, gate, up, ctx.act, out=(d_gate, d_up), product=dh if need_h else None)
+        if overwrite:
+            torch.autograd.graph.increment_version(gate_up)
         d_down = (dy2.t() @ dh).to(w_down.dtype) if need_h else None
         del dh
         dx = None

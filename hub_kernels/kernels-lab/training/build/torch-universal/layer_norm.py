@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import rms_norm
 from ._common import as_rows, cdiv, fast_launch, next_pow2, op_name, pick_config, sm_count
 from .rms_norm import bwd_candidates, column_sum, fwd_config, use_triton_rows
 
@@ -183,10 +184,10 @@ def backward(dy, x, weight, mean, rstd, compute_dw, compute_db, cfg=None):
         return dx, dw, x.new_zeros(n) if compute_db else x.new_empty(0)
     if cfg is None:
         key = ("ln_bwd", m.bit_length(), n, x.dtype, dy.dtype, x.device, weight is not None,
-               compute_dw, compute_db)  # fmt: skip
+               compute_dw, compute_db, rms_norm.BWD_GEOMETRIES)  # fmt: skip
         cfg = pick_config(
             key,
-            bwd_candidates(m, n),
+            bwd_candidates(m, n, compute_dw or compute_db),
             lambda c: _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, c),
         )
     dw_part, db_part = _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._common import has_hooks
 from .add_rms_norm import fused_add_rms_norm
 from .gated_mlp import gated_mlp
 from .layer_norm import layer_norm
@@ -24,7 +25,7 @@ from .rope import (
     apply_partial_rotary_pos_emb,
     apply_rotary_pos_emb,
 )
-from .swiglu import GELU_ERF, GELU_TANH, SILU, gelu_mul, silu, silu_mul
+from .swiglu import GELU_ERF, GELU_TANH, SILU, gelu_mul, glu_halves, silu, silu_mul
 
 _SILU_CLASSES = {"SiLUActivation", "SiLU"}
 # Classes whose function is 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))).
@@ -253,7 +254,8 @@ class SwiGLUMLP(nn.Module):
             )
         out = gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, SILU)
         if out is None:
-            out = self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+            in_place = _outputs_private(self.gate_proj, self.up_proj)
+            out = self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), in_place=in_place))
         return out
 
 
@@ -268,7 +270,9 @@ class GeGLUMLP(nn.Module):
         act = GELU_TANH if approximate == "tanh" else GELU_ERF
         out = gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, act)
         if out is None:
-            out = self.down_proj(gelu_mul(self.gate_proj(x), self.up_proj(x), approximate))
+            in_place = _outputs_private(self.gate_proj, self.up_proj)
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            out = self.down_proj(gelu_mul(gate, up, approximate, in_place=in_place))
         return out
 
 
@@ -293,11 +297,23 @@ class FusedGeGLUMLP(nn.Module):
 
 
 def fused_gate_up_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """down(act(gate) * up) with gate, up the halves of gate_up_proj(x), the product fused."""
-    gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
-    code, approximate = _glu_code(module)
-    product = silu_mul(gate, up) if code == SILU else gelu_mul(gate, up, approximate)
+    """down(act(gate) * up) with gate, up the halves of gate_up_proj(x), the product fused;
+    d(gate_up) written over gate_up's output where that output is private (see below)."""
+    code = _glu_code(module)[0]
+    gate_up = module.gate_up_proj(x)
+    product = glu_halves(gate_up, code, in_place=_outputs_private(module.gate_up_proj))
     return module.down_proj(product)
+
+
+def _outputs_private(*projections: nn.Module) -> bool:
+    """Whether the gated product may write its gradients over these projections' outputs.
+
+    A linear layer saves its input, not its output, so the gate/up outputs are read by the
+    product alone, unless a hook is there to hand them to someone else: then new buffers. A
+    projection whose own backward reads its output finds the version counter bumped and raises
+    autograd's "modified by an inplace operation" error, never a silently wrong gradient.
+    """
+    return not any(has_hooks(p) for p in projections)
 
 
 class LayerNorm(nn.Module):

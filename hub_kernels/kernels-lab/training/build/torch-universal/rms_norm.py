@@ -26,6 +26,7 @@ deterministic and needs no atomics.
 """
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -263,25 +264,47 @@ def _fwd_candidates(m_pow2: int, n: int) -> list[dict]:
     return [cfg(4096, 8), cfg(4096, 4), cfg(8192, 8), cfg(8192, 4), cfg(2048, 4)]
 
 
-def bwd_candidates(m: int, n: int) -> list[dict]:
+# Backward geometry families (see bwd_candidates). "v1", the default, is the one measured on an
+# H200. "v2" is a proposal awaiting that measurement (scripts/probes/probe_norms_glu_gpu.py):
+# with dW it runs one program per SM, so the fp32 dW partials take no more memory than Liger's,
+# and it adds Liger's geometry and 32-warp ones for rows of 8192 and more. Chosen per process by
+# KERNELS_NORM_BWD_GEOMETRIES, or by assigning this name.
+BWD_GEOMETRIES = os.environ.get("KERNELS_NORM_BWD_GEOMETRIES", "v1")
+GEOMETRY_FAMILIES = ("v1", "v2")
+
+
+def bwd_candidates(m: int, n: int, dw: bool = True, family: str | None = None) -> list[dict]:
     """Persistent-backward geometries worth timing for this width (the first is the default).
 
     Rows per program-iteration (tile), warps, programs per SM and register prefetch of the next
     rows; measured on an H200, the best differ between wide rows, small batches and head-dim rows.
+    `family` (default BWD_GEOMETRIES): "v1" or "v2" (above); `dw`, whether the weight's gradient
+    is computed, matters to "v2" only: its one-program-per-SM rule holds only with dW partials.
     """
-    return _bwd_candidates(next_pow2(m), n)
+    family = family or BWD_GEOMETRIES
+    if family not in GEOMETRY_FAMILIES:
+        raise ValueError(
+            f"KERNELS_NORM_BWD_GEOMETRIES must be one of {GEOMETRY_FAMILIES}, got {family!r}; "
+            "unset it for the default"
+        )
+    if family == "v1":
+        return _bwd_candidates_v1(next_pow2(m), n)
+    return _bwd_candidates_v2(next_pow2(m), n, dw)
+
+
+def _geometry(block_n: int, m_pow2: int, tile: int, warps: int, per_sm: int, prefetch: bool,
+              acc_2d: bool = False) -> dict:  # fmt: skip
+    """One backward geometry: rows per program-iteration from a tile of elements."""
+    block_m = max(1, min(tile // block_n, m_pow2))
+    return {"BLOCK_M": block_m, "num_warps": warps, "per_sm": per_sm, "PREFETCH": prefetch,
+            "ACC_2D": acc_2d}  # fmt: skip
 
 
 # Keyed by the row count's power of two, all the lists depend on: varying sequence lengths hit.
 @functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
-def _bwd_candidates(m_pow2: int, n: int) -> list[dict]:
+def _bwd_candidates_v1(m_pow2: int, n: int) -> list[dict]:
     block_n = next_pow2(n)
-
-    def cfg(tile, warps, per_sm, prefetch, acc_2d=False):
-        block_m = max(1, min(tile // block_n, m_pow2))
-        return {"BLOCK_M": block_m, "num_warps": warps, "per_sm": per_sm, "PREFETCH": prefetch,
-                "ACC_2D": acc_2d}  # fmt: skip
-
+    cfg = functools.partial(_geometry, block_n, m_pow2)
     if block_n <= 512:  # q/k norms: many short rows per program
         return [cfg(4096, 2, 4, False), cfg(4096, 4, 2, True), cfg(2048, 2, 8, False),
                 cfg(4096, 4, 2, False, True), cfg(4096, 2, 4, False, True),
@@ -290,6 +313,31 @@ def _bwd_candidates(m_pow2: int, n: int) -> list[dict]:
         return [cfg(block_n, 16, 1, False), cfg(block_n, 16, 1, True)]
     return [cfg(16384, 8, 1, False), cfg(8192, 16, 1, True), cfg(8192, 8, 1, True),
             cfg(4096, 8, 2, True), cfg(4096, 4, 2, False), cfg(16384, 16, 1, True)]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_candidates_v2(m_pow2: int, n: int, dw: bool) -> list[dict]:
+    block_n = next_pow2(n)
+    cfg = functools.partial(_geometry, block_n, m_pow2)
+    if block_n <= 512:
+        if not dw:
+            return _bwd_candidates_v1(m_pow2, n)
+        # One program per SM with more warps and per-row dW partials reduced once at the end.
+        return [cfg(8192, 8, 1, False, True), cfg(4096, 4, 1, False, True),
+                cfg(16384, 8, 1, False, True), cfg(8192, 4, 1, False, True),
+                cfg(4096, 8, 1, False, True)]  # fmt: skip
+    if block_n > 16384:
+        return [cfg(block_n, 16, 1, False), cfg(block_n, 16, 1, True), cfg(block_n, 32, 1, False)]
+    # One row per iteration with 16 warps and no prefetch is Liger's geometry; 32 warps keep
+    # 16384-wide rows at 16 elements a thread.
+    wide = [cfg(16384, 8, 1, False), cfg(8192, 16, 1, True), cfg(8192, 8, 1, True),
+            cfg(16384, 16, 1, True), cfg(block_n, 16, 1, False)]  # fmt: skip
+    if block_n >= 8192:
+        wide += [cfg(block_n, 32, 1, False), cfg(block_n, 32, 1, True)]
+    if not dw:  # no partials: two programs per SM cost no memory
+        wide += [cfg(4096, 8, 2, True), cfg(4096, 4, 2, False)]
+    # A geometry listed twice (tiles that clamp to one row) is timed once.
+    return [c for i, c in enumerate(wide) if c not in wide[:i]]
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, gemma) -> torch.dtype:
@@ -395,13 +443,13 @@ def backward(
     if cfg is None:
         key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype,
                None if weight is None else weight.dtype, x.device, mode, compute_dw, from_y,
-               ds is not None)  # fmt: skip
+               ds is not None, BWD_GEOMETRIES)  # fmt: skip
         if dx is dy:
             # Timing launches several times, and a launch after the first would read a dx as
             # dy: in place takes the geometry an earlier out-of-place call timed, or the default.
-            cfg = cached_config(key) or bwd_candidates(m, n)[0]
+            cfg = cached_config(key) or bwd_candidates(m, n, compute_dw)[0]
         else:
-            cfg = pick_config(key, bwd_candidates(m, n), launch)
+            cfg = pick_config(key, bwd_candidates(m, n, compute_dw), launch)
     part = launch(cfg)
     dw = column_sum(part, weight.dtype) if compute_dw else x.new_empty(0)
     return dx, dw

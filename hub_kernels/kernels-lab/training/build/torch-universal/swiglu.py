@@ -9,7 +9,13 @@ slice, e.g. of a fused gate_up projection), so odd widths like 14336 waste no la
 With ``in_place=True`` the backward writes d(a) over a and d(b) over b (as Liger's SwiGLU does),
 so it allocates no gradient buffers: a and b hold their gradients afterwards. Their version
 counters are bumped, so an op that saved a or b for its own later backward raises autograd's
-"modified by an inplace operation" error instead of reading gradients as activations.
+"modified by an inplace operation" error instead of reading gradients as activations. A backward
+that keeps its graph (``retain_graph=True``) takes new buffers, so a second backward still reads
+the activations.
+
+`glu_halves` is the gated product of the two halves of one tensor (a fused gate_up projection):
+its backward writes d(gate_up) over gate_up itself, one tensor, so nothing downstream has to
+concatenate two half gradients into a new buffer either.
 """
 
 import torch
@@ -326,6 +332,15 @@ act_fwd.register_autograd(_act_backward, setup_context=_act_setup)
 # autograd.Functions: the eager path, without the custom-op dispatch cost on every call.
 
 
+def graph_is_freed() -> bool:
+    """Whether the running backward frees its graph (no ``retain_graph=True``): only then is a
+    saved activation read for the last time, and may its buffer take a gradient."""
+    # A private hook of the autograd engine: without it, in place goes ahead and the bumped
+    # version counter turns a second backward into autograd's error, never a wrong gradient.
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep_graph is None or not keep_graph()
+
+
 def _can_overwrite(a: torch.Tensor, b: torch.Tensor, dc: torch.Tensor) -> bool:
     """Whether d(a), d(b) may go over a and b: both contiguous, of one dtype with dc (the
     gradients' dtype), and in separate storages (two halves of one buffer take new ones)."""
@@ -347,7 +362,7 @@ class _GLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dc):
         a, b = ctx.saved_tensors
-        if ctx.in_place and _can_overwrite(a, b, dc):
+        if ctx.in_place and _can_overwrite(a, b, dc) and graph_is_freed():
             # Each element is read before it is written, by the same program: safe in place.
             da, db = _glu_backward_any(dc, a, b, ctx.act, out=(a, b))
             torch.autograd.graph.increment_version(a)
@@ -355,6 +370,30 @@ class _GLUFunction(torch.autograd.Function):
         else:
             da, db = _glu_backward_any(dc, a, b, ctx.act)
         return da, db, None, None
+
+
+class _GLUHalvesFunction(torch.autograd.Function):
+    """act(x[..., :I]) * x[..., I:]; the gradient is one tensor shaped like x (over x itself
+    when in place), its halves written by one backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, act, in_place):
+        a, b = x.chunk(2, dim=-1)
+        ctx.save_for_backward(x)
+        ctx.act, ctx.in_place = act, in_place
+        return _glu_forward_any(a, b, act)
+
+    @staticmethod
+    def backward(ctx, dc):
+        (x,) = ctx.saved_tensors
+        overwrite = ctx.in_place and x.is_contiguous() and x.dtype == dc.dtype and graph_is_freed()
+        dx = x if overwrite else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        a, b = x.chunk(2, dim=-1)
+        # Each element is read before it is written, by the same program: safe over x.
+        _glu_backward_any(dc, a, b, ctx.act, out=dx.chunk(2, dim=-1))
+        if overwrite:
+            torch.autograd.graph.increment_version(x)
+        return dx, None, None
 
 
 class _ActFunction(torch.autograd.Function):
@@ -403,6 +442,20 @@ def gelu_mul(
     if approximate not in ("tanh", "none"):
         raise ValueError(f'approximate must be "tanh" or "none", got {approximate!r}')
     return _glu(a, b, GELU_TANH if approximate == "tanh" else GELU_ERF, in_place)
+
+
+def glu_halves(x: torch.Tensor, act: int, *, in_place: bool = False) -> torch.Tensor:
+    """act(gate) * up for ``gate, up = x.chunk(2, dim=-1)`` (a fused gate_up projection's
+    output), `act` one of SILU, GELU_TANH, GELU_ERF.
+
+    The gradient of x comes back as one tensor; ``in_place=True`` writes it over x (contiguous,
+    of the gradient's dtype; else a new buffer), so do not read x after the backward.
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dim must be even (two halves), got {x.shape[-1]}")
+    if torch.compiler.is_compiling():
+        return glu_fwd(*x.chunk(2, dim=-1), act)  # the compiled graph owns its buffers
+    return _GLUHalvesFunction.apply(x, act, in_place)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""The norms' backward memory with the "v2" geometry family (KERNELS_NORM_BWD_GEOMETRIES=v2):
+whichever geometry the autotuner picks, the fp32 dW (and dB) partials take no more than Liger's,
+one row per SM, so the extra peak above dx and the weight gradients is never more than Liger's.
+Measured by a tensor-registry probe of live storages. "v1", the default measured on an H200, may
+run several programs per SM and keeps its partials per program."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from _live_bytes import extra_peak
+from _training_refs import assert_close, layer_norm64, rms_norm64
+
+# Wide rows (several rows per program-iteration), head-dim rows (many rows per program) and
+# rows wide enough for the 32-warp geometries.
+SHAPES = [(64, 1000), (1024, 128), (8, 9000)]
+
+
+def module(kt, name: str):
+    return sys.modules[f"{kt.__name__}.{name}"]
+
+
+def liger_partials(mod, x: torch.Tensor, buffers: int = 1) -> int:
+    """Liger's fp32 partials: `buffers` x [SMs, n] (the interpreter reports a few SMs)."""
+    return buffers * mod.sm_count(x.device) * x.shape[-1] * 4
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rms_norm_backward_partials_are_at_most_liger(kt, shape, residual):
+    mod = module(kt, "rms_norm")
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(shape[-1], dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    ds = torch.randn_like(x) if residual else None
+    _y, rstd, _s = mod.forward(x, w, 1e-6, False)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    rms_norm64(x64, w64, 1e-6).backward(dy.double())
+    candidates = mod.bwd_candidates(*shape, family="v2")
+    assert candidates  # the list the GPU times; each one is held to the budget
+    for cfg in candidates:
+        extra, (dx, dw) = extra_peak(
+            lambda c=cfg: mod.backward(dy, x, w, rstd, False, True, c, ds=ds)
+        )
+        assert extra <= liger_partials(mod, x), f"{cfg}: {extra} bytes of partials"
+        ref_dx = x64.grad if ds is None else x64.grad + ds.double()
+        assert_close(dx, ref_dx, torch.bfloat16, f"dx {cfg}")
+        assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_layer_norm_backward_partials_are_at_most_liger(kt, shape):
+    mod = module(kt, "layer_norm")
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(shape[-1], dtype=torch.bfloat16)
+    b = 0.1 * torch.randn(shape[-1], dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    _y, mean, rstd = mod.forward(x, w, b, 1e-5)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    layer_norm64(x64, w64, b64, 1e-5).backward(dy.double())
+    rms = module(kt, "rms_norm")
+    for cfg in rms.bwd_candidates(*shape, family="v2"):
+        extra, (dx, dw, db) = extra_peak(
+            lambda c=cfg: mod.backward(dy, x, w, mean, rstd, True, True, c)
+        )
+        assert extra <= liger_partials(rms, x, buffers=2), f"{cfg}: {extra} bytes of partials"
+        assert_close(dx, x64.grad, torch.bfloat16, f"dx {cfg}")
+        assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")
+        assert_close(db, b64.grad, torch.bfloat16, f"db {cfg}")
+
+
+def test_without_dw_several_programs_per_sm_stay_candidates(kt):
+    """No weight gradient, no partials: the geometries that run two programs per SM (small
+    batches gain from them) are still timed."""
+    mod = module(kt, "rms_norm")
+    assert any(c["per_sm"] > 1 for c in mod.bwd_candidates(1024, 8192, dw=False, family="v2"))
+    assert all(c["per_sm"] == 1 for c in mod.bwd_candidates(1024, 8192, family="v2"))
+
+
+def test_the_family_comes_from_the_environment(kt, monkeypatch):
+    from conftest import load_variant
+
+    monkeypatch.setenv("KERNELS_NORM_BWD_GEOMETRIES", "v2")
+    fresh = load_variant()
+    mod = module(fresh, "rms_norm")
+    assert mod.BWD_GEOMETRIES == "v2"
+    assert mod.bwd_candidates(4096, 4096) == mod.bwd_candidates(4096, 4096, family="v2")
+    assert module(kt, "rms_norm").BWD_GEOMETRIES == "v1"  # the default
+    monkeypatch.setattr(mod, "BWD_GEOMETRIES", "v3")
+    with pytest.raises(ValueError, match="KERNELS_NORM_BWD_GEOMETRIES must be one of"):
+        mod.bwd_candidates(4096, 4096)
