@@ -389,29 +389,35 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _lean_online(z, zs, m_r, s_r, sz_r, HAS_SMOOTHING: tl.constexpr):
-    """Fold one [R, KW] tile into the per-tile-row running max m_r, sum s_r (and sum of z)."""
-    mn = tl.maximum(m_r, tl.max(z, 1))
-    e = tl.exp2(z * 1.4426950408889634 - (mn * 1.4426950408889634)[:, None])
-    s_r = s_r * tl.exp2((m_r - mn) * 1.4426950408889634) + tl.sum(e, 1)
+    """Fold one [R, L, VEC] tile into the running max m_r, sum s_r (and sum of z), [R, L]: one
+    slot per thread's VEC contiguous columns, so the max and sums stay inside the thread."""
+    mn = tl.maximum(m_r, tl.max(z, 2))
+    e = tl.exp2(z * 1.4426950408889634 - (mn * 1.4426950408889634)[:, :, None])
+    s_r = s_r * tl.exp2((m_r - mn) * 1.4426950408889634) + tl.sum(e, 2)
     if HAS_SMOOTHING:
-        sz_r += tl.sum(zs, 1)
+        sz_r += tl.sum(zs, 2)
     return mn, s_r, sz_r
 
 
 @triton.jit
 def _lean_reduce(
     base, o0, col0, lo, hi, cap,
-    R: tl.constexpr, KW: tl.constexpr, NB: tl.constexpr,
+    R: tl.constexpr, KW: tl.constexpr, VEC: tl.constexpr, NB: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, LOAD_POLICY: tl.constexpr,
 ):  # fmt: skip
     """Max, sum of exp(z - max) and sum of z over columns [lo, hi) of one chunk.
 
     Block i of the chunk sits at base + o0 + i * R * KW (16-byte aligned) and holds columns
-    col0 + i * R * KW + [0, R * KW)."""
-    rk = tl.arange(0, R)[:, None] * KW + tl.arange(0, KW)[None, :]
-    m_r = tl.full([R], -1.0e30, tl.float32)
-    s_r = tl.zeros([R], tl.float32)
-    sz_r = tl.zeros([R], tl.float32)
+    col0 + i * R * KW + [0, R * KW), as R rows of KW // VEC slots of VEC columns."""
+    L: tl.constexpr = KW // VEC
+    rk = (
+        tl.arange(0, R)[:, None, None] * KW
+        + tl.arange(0, L)[None, :, None] * VEC
+        + tl.arange(0, VEC)[None, None, :]
+    )
+    m_r = tl.full([R, L], -1.0e30, tl.float32)
+    s_r = tl.zeros([R, L], tl.float32)
+    sz_r = tl.zeros([R, L], tl.float32)
     for i in range(NB):
         o = o0 + i * (R * KW)
         c = col0 + i * (R * KW)
@@ -420,16 +426,17 @@ def _lean_reduce(
             z = _softcap(x, cap, HAS_SOFTCAP)
             m_r, s_r, sz_r = _lean_online(z, z, m_r, s_r, sz_r, HAS_SMOOTHING)
         else:
+            # (names apart from the other branch's: Triton types a name across both branches)
             cols = c + rk
             mask = (cols >= lo) & (cols < hi)
-            x = tl.load(base + o + rk, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
-            z = _softcap(x.to(tl.float32), cap, HAS_SOFTCAP)
-            zs = tl.where(mask, z, 0.0)
-            z = tl.where(mask, z, float("-inf"))
-            m_r, s_r, sz_r = _lean_online(z, zs, m_r, s_r, sz_r, HAS_SMOOTHING)
-    m = tl.max(m_r, 0)
-    s = tl.sum(s_r * tl.exp2((m_r - m) * 1.4426950408889634), 0)
-    sz = tl.sum(sz_r, 0)
+            xm = tl.load(base + o + rk, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
+            zm = _softcap(xm.to(tl.float32), cap, HAS_SOFTCAP)
+            zs = tl.where(mask, zm, 0.0)
+            zm = tl.where(mask, zm, float("-inf"))
+            m_r, s_r, sz_r = _lean_online(zm, zs, m_r, s_r, sz_r, HAS_SMOOTHING)
+    m = tl.max(tl.max(m_r, 1), 0)
+    s = tl.sum(tl.sum(s_r * tl.exp2((m_r - m) * 1.4426950408889634), 1), 0)
+    sz = tl.sum(tl.sum(sz_r, 1), 0)
     return m, s, sz
 
 
@@ -466,10 +473,10 @@ def _lean_write(
             tl.store(base_out + o + rk, g.to(base_out.dtype.element_ty), eviction_policy=STORE_POLICY)
         else:
             mask = (cols >= lo) & (cols < hi)
-            x = tl.load(base_in + o + rk, mask=mask, other=0.0).to(tl.float32)
-            g = _lean_grad(x, cols, y, nl, A, B, TGT, cap, HAS_SOFTCAP, HAS_TARGET)
+            xm = tl.load(base_in + o + rk, mask=mask, other=0.0).to(tl.float32)
+            gm = _lean_grad(xm, cols, y, nl, A, B, TGT, cap, HAS_SOFTCAP, HAS_TARGET)
             tl.store(
-                base_out + o + rk, g.to(base_out.dtype.element_ty), mask=mask,
+                base_out + o + rk, gm.to(base_out.dtype.element_ty), mask=mask,
                 eviction_policy=STORE_POLICY,
             )  # fmt: skip
 
@@ -622,14 +629,14 @@ def _ce_lean_kernel(
                 )  # fmt: skip
             else:
                 m, s, sz = _lean_reduce(
-                    logits_base, o0, col0, lo, hi, cap, R, KW, NB, HAS_SOFTCAP,
+                    logits_base, o0, col0, lo, hi, cap, R, KW, VEC, NB, HAS_SOFTCAP,
                     HAS_SMOOTHING, LOAD_POLICY,
                 )  # fmt: skip
                 _lean_publish(stats_ptr, count_ptr, row, chunk, m, s, sz, NUM_CHUNKS)
         else:
             m, s, sz = _lean_reduce(
-                logits_base, o0, col0, lo, hi, cap, R, KW, NB, HAS_SOFTCAP, HAS_SMOOTHING,
-                LOAD_POLICY,
+                logits_base, o0, col0, lo, hi, cap, R, KW, VEC, NB, HAS_SOFTCAP,
+                HAS_SMOOTHING, LOAD_POLICY,
             )  # fmt: skip
             if NUM_CHUNKS > 1:
                 _lean_publish(stats_ptr, count_ptr, row, chunk, m, s, sz, NUM_CHUNKS)
