@@ -209,3 +209,53 @@ def test_ce_options_every_launch_shape(ce, config, inplace, launches):
     )  # fmt: skip
     assert rel_err(loss, per_row) < 1e-5
     assert rel_err(grad, ref_grad) < 1e-2
+
+
+# The lean kernel's variants (CEConfig(lean=True, ...)); the pid ones wait on siblings that only
+# the GPU's in-order dispatch guarantees to run, so they come last.
+LEAN = {
+    "spin": dict(chunk=8192, block=2048, num_warps=4, spin=True, lean=True),
+    "spin-16384-w8-evict": dict(chunk=16384, block=4096, num_warps=8, spin=True, lean=True, evict=True),
+    "queue": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True),
+    "queue-4096-lag1-reverse": dict(chunk=4096, block=1024, num_warps=4, lean=True, queue=True, lag=1, reverse=True),
+    "queue-pid": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, ticket=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", list(LEAN.values()), ids=list(LEAN))
+@pytest.mark.parametrize("vocab", [151936, 50257])
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "options"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_ce_lean_variants(ce, config, vocab, options, inplace, launches):
+    """Each lean variant, plain (the fast path) and with smoothing + z-loss + softcap and
+    per-token upstream gradients, at a real vocabulary and at one whose rows are not 16-byte
+    aligned (50257: the aligned-read path), in place and into its own buffer, vs float64."""
+    n = 512
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    t = targets(n, vocab)
+    g_out = torch.rand(n, device="cuda") + 0.5
+    cap, eps, lam = (20.0, 0.1, 1e-3) if options else (None, 0.0, 0.0)
+    x64 = logits.double().requires_grad_(True)
+    z = cap * torch.tanh(x64 / cap) if cap else x64
+    logp = torch.log_softmax(z, -1)
+    lse = torch.logsumexp(z, -1)
+    valid = t != -100
+    per_row = (1 - eps) * -logp.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
+    per_row = torch.where(valid, per_row + eps * -logp.mean(-1) + lam * lse**2, 0.0)
+    (ref_grad,) = torch.autograd.grad(per_row, x64, g_out.double())
+    grad = logits.clone() if inplace else torch.full_like(logits, float("nan"))
+    source = grad if inplace else logits
+    cfg = ce.CEConfig(**config)
+    loss, _ = ce.ce_rows(
+        source, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, label_smoothing=eps,
+        lse_square_scale=lam, softcap=cap, config=cfg,
+    )  # fmt: skip
+    launches.assert_launched(
+        "_ce_lean_kernel", CHUNK=cfg.chunk, num_warps=cfg.num_warps, QUEUE=cfg.queue,
+        TICKET=cfg.ticket, ALIGN=vocab % 16 != 0, REVERSE=cfg.reverse,
+        LOAD_POLICY="evict_last" if cfg.evict else "",
+    )  # fmt: skip
+    launches.assert_device_matches()
+    assert rel_err(loss, per_row) < 1e-5
+    assert rel_err(grad, ref_grad) < 1e-2
+    assert (grad[~valid] == 0).all()

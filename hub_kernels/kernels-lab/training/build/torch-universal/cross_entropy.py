@@ -470,7 +470,9 @@ def _lean_write(
         if (c >= lo) & (c + R * KW <= hi):
             x = tl.load(base_in + o + rk).to(tl.float32)
             g = _lean_grad(x, cols, y, nl, A, B, TGT, cap, HAS_SOFTCAP, HAS_TARGET)
-            tl.store(base_out + o + rk, g.to(base_out.dtype.element_ty), eviction_policy=STORE_POLICY)
+            tl.store(
+                base_out + o + rk, g.to(base_out.dtype.element_ty), eviction_policy=STORE_POLICY
+            )
         else:
             mask = (cols >= lo) & (cols < hi)
             xm = tl.load(base_in + o + rk, mask=mask, other=0.0).to(tl.float32)
@@ -507,7 +509,9 @@ def _lean_finish(
     y_safe = tl.where(valid, y, 0)
     owner = chunk == (y_safe + ALIGN_SHIFT) // CHUNK
     if owner:
-        zy = _softcap(tl.load(logits_base + (y_safe + ALIGN_SHIFT)).to(tl.float32), cap, HAS_SOFTCAP)
+        zy = _softcap(
+            tl.load(logits_base + (y_safe + ALIGN_SHIFT)).to(tl.float32), cap, HAS_SOFTCAP
+        )
         loss = lse - (1.0 - smoothing) * zy + lse_sq_scale * lse * lse
         if HAS_SMOOTHING:
             loss -= smoothing / V * sz
