@@ -7,6 +7,7 @@ import importlib
 import pytest
 import torch
 from _training_refs import rel_err
+from cross_entropy_variants import ce_variant  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("ce_variant")
 @pytest.mark.parametrize(
     "opts,reduction,dtype,vocab",
     CASES,
@@ -129,6 +131,7 @@ def test_chunk_layouts_agree(ce, chunk, block):
     assert rel_err(lse[keep], ref_lse[keep]) < 1e-6
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_inplace_consumes_logits_and_bumps_version(ce):
     logits, target = make_inputs(12, 1000, torch.bfloat16)
     _, ref_dx = reference(logits, target)
@@ -153,6 +156,7 @@ def test_inplace_misuse_is_reported(ce):
         loss.backward()
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_not_inplace_keeps_logits(ce):
     logits, target = make_inputs(12, 1531, torch.float32)
     ref_loss, ref_dx = reference(logits, target, smoothing=0.1)
@@ -164,6 +168,7 @@ def test_not_inplace_keeps_logits(ce):
     assert rel_err(x.grad, ref_dx) < 2e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_num_items_divisor(ce):
     logits, target = make_inputs(16, 1000, torch.float32)
     ref_loss, ref_dx = reference(logits, target, num_items=37)
@@ -175,6 +180,7 @@ def test_num_items_divisor(ce):
         assert rel_err(x.grad, ref_dx) < 2e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 @pytest.mark.parametrize("vocab", [1000, 1531])
 def test_no_grad_leaves_logits_untouched(ce, vocab):
     """Under torch.no_grad() nothing is written, even into logits that require grad."""
@@ -187,6 +193,7 @@ def test_no_grad_leaves_logits_untouched(ce, vocab):
     assert rel_err(loss, ref_loss) < 1e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_3d_logits_and_all_ignored(ce):
     logits, target = make_inputs(2 * 6, 1000, torch.float32)
     x = logits.view(2, 6, 1000).clone().requires_grad_(True)
@@ -202,6 +209,7 @@ def test_3d_logits_and_all_ignored(ce):
     assert (y.grad == 0).all()
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_out_of_range_target_gives_nan(ce):
     logits, target = make_inputs(6, 1000, torch.float32, ignore_frac=0.0)
     target[3] = 1000

@@ -8,6 +8,7 @@ import socket
 import pytest
 import torch
 from _training_refs import rel_err
+from cross_entropy_variants import ce_variant  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("ce_variant")
 @pytest.mark.parametrize(
     "dtype,vocab,bias,opts,reduction",
     CASES,
@@ -116,6 +118,7 @@ def test_loss_and_grads(fl, dtype, vocab, bias, opts, reduction):
         assert rel_err(g, r) < TOL[dtype], name
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_tied_weights_add_up(fl):
     """lm_head tied to the input embedding: both uses' gradients land in the one parameter."""
     vocab, hdim, n = 1000, 32, 24
@@ -133,6 +136,7 @@ def test_tied_weights_add_up(fl):
     assert rel_err(emb.grad, ref_grad) < 2e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_num_items_and_3d_hidden(fl):
     hidden, weight, _, target = make_inputs(2 * 10, 32, 1000, torch.float32)
     ref_loss, (ref_dh, ref_dw) = reference(hidden, weight, None, target, num_items=31)
@@ -144,6 +148,7 @@ def test_num_items_and_3d_hidden(fl):
     assert rel_err(h.grad.view(20, 32), ref_dh) < 2e-5 and rel_err(w.grad, ref_dw) < 2e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_only_weight_needs_grad_and_no_grad(fl):
     hidden, weight, _, target = make_inputs(20, 32, 1531, torch.float32)
     ref_loss, (_, ref_dw) = reference(hidden, weight, None, target, smoothing=0.1)

@@ -665,9 +665,13 @@ def _scale_kernel(
     block would still schedule one CTA per 16 KB of gradient just to return); per row, a
     block whose factors are all 1 is skipped.
     """
+    # int64 block indices (a gradient can pass 2**31 elements); on the interpreter b is an int.
+    first = tl.program_id(0).to(tl.int64)
+    step = tl.num_programs(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK).to(tl.int64)
     if PER_ROW:
-        for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-            offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        for b in range(first, n_blocks, step):
+            offs = b * BLOCK + cols
             mask = offs < numel
             g = tl.load(g_ptr + offs // row_len, mask=mask, other=1.0).to(tl.float32)
             if tl.min(tl.where(g == 1.0, 1, 0), 0) == 0:
@@ -676,8 +680,8 @@ def _scale_kernel(
     else:
         g = tl.load(g_ptr).to(tl.float32)
         if g != 1.0:
-            for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-                offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            for b in range(first, n_blocks, step):
+                offs = b * BLOCK + cols
                 mask = offs < numel
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
