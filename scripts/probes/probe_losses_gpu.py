@@ -57,6 +57,14 @@ def variants() -> dict[str, object]:
         "lean queue 4096/1024 w4": C(4096, 1024, 4, lean=True, queue=True),
         "lean queue 8192/4096 w8": C(8192, 4096, 8, lean=True, queue=True),
         "lean queue 16384/4096 w8": C(16384, 4096, 8, lean=True, queue=True),
+        # at most 32 registers per thread (no spills for the queue): 16 programs per SM, not 9
+        "lean queue 8192/2048 w4 r32": C(8192, 2048, 4, lean=True, queue=True, maxnreg=32),
+        "lean queue 4096/2048 w4 r32": C(4096, 2048, 4, lean=True, queue=True, maxnreg=32),
+        "lean queue 16384/2048 w4 r32": C(16384, 2048, 4, lean=True, queue=True, maxnreg=32),
+        "lean spin 8192/2048 w4 r40": C(8192, 2048, 4, spin=True, lean=True, maxnreg=40),
+        # one block per chunk: all of a chunk's loads in flight at once
+        "lean queue 4096/4096 w4": C(4096, 4096, 4, lean=True, queue=True),
+        "lean queue 8192/8192 w8": C(8192, 8192, 8, lean=True, queue=True),
     }
 
 

@@ -705,7 +705,8 @@ class CEConfig:
     config falls back to the queue when a row has several chunks). ``ticket``: take tasks in
     the order programs start (a global counter) rather than by program id. ``lag``: rows
     between a chunk's reduce task and its write task (queue). ``reverse``: the gradient pass
-    visits a chunk's blocks last-read first.
+    visits a chunk's blocks last-read first. ``maxnreg``: cap the lean kernel's registers per
+    thread (GPU), so more programs fit an SM (32 lets 16 programs of 4 warps share one).
     """
 
     chunk: int
@@ -719,6 +720,7 @@ class CEConfig:
     ticket: bool = True
     lag: int = 4
     reverse: bool = False
+    maxnreg: int | None = None
 
     def __post_init__(self):
         if self.one_pass and self.chunk != self.block:
@@ -905,6 +907,7 @@ def _lean_rows(
         LOAD_POLICY="evict_last" if cfg.evict else "",
         STORE_POLICY="evict_first" if cfg.evict else "",
         num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and logits.is_cuda else {}),
     )
 
 
