@@ -237,3 +237,36 @@ def test_torch_path_matches_kernel(ce, monkeypatch):
     g2 = torch.empty_like(logits)
     l2, s2 = ce.ce_rows(logits, target, g2, torch.tensor([0.5]), **opts)
     assert rel_err(l1, l2) < 1e-6 and rel_err(g1, g2) < 1e-6 and rel_err(s1, s2) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk,block", [(512, 256), (256, 128)])
+def test_lean_targets_at_chunk_edges(ce, dtype, chunk, block):
+    """Rows 1531 wide are not 16-byte aligned, so the lean kernel reads each from the aligned
+    address below its start and its chunk edges move by that shift, row by row. Targets on
+    every column next to a nominal chunk edge: the loss and the target column's gradient must
+    come from the program that really holds the target."""
+    vocab, n = 1531, 48
+    logits, _ = make_inputs(n, vocab, dtype, ignore_frac=0.0)
+    edges = torch.arange(chunk, vocab, chunk)
+    target = (edges[torch.arange(n) % len(edges)] + torch.arange(n) % 16 - 8).clamp(0, vocab - 1)
+    ref_loss, ref_dx = reference(logits, target, reduction="none")
+    grad = torch.full_like(logits, float("nan"))
+    cfg = ce.CEConfig(chunk=chunk, block=block, num_warps=4, lean=True, queue=True)
+    loss, _ = ce.ce_rows(logits, target, grad, torch.ones(1), config=cfg)
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert rel_err(grad, ref_dx) < TOL[dtype]
+
+
+def test_scale_rows_strides_over_more_blocks_than_programs(ce):
+    """The backward's in-place scale: a persistent grid (at most 8 programs per SM; the
+    interpreter counts 4 SMs) strides over 1 << 16-element blocks, here 41 of them, with one
+    factor, one per row (rows of factor 1 included), and a factor of exactly 1 (a no-op)."""
+    x = torch.randn(40, 65536 + 3)
+    for g in (torch.tensor(1.5), torch.rand(40) + 0.5, torch.ones(1)):
+        if g.numel() == 40:
+            g[::3] = 1.0
+        y = x.clone()
+        ce.scale_rows_(y, g)
+        expect = x * (g[:, None] if g.numel() == 40 else g)
+        assert torch.equal(y, expect)
