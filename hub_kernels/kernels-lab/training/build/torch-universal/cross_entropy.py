@@ -797,7 +797,9 @@ def ce_rows(
             pred,
         )
     cfg = config or default_config(vocab, logits.device)
-    if cfg.lean and weight is None and pred is None:
+    # The lean kernel addresses the gradient with the logits' row stride.
+    same_rows = grad is None or grad.stride(0) == logits.stride(0)
+    if cfg.lean and weight is None and pred is None and same_rows:
         _lean_rows(logits, target, grad, grad_scale, row_scale, loss, lse, cfg,
                    ignore_index, label_smoothing, lse_square_scale, softcap)  # fmt: skip
         return loss, lse
@@ -862,7 +864,7 @@ def _lean_rows(
     stride = logits.stride(0)
     vec = max(1, 16 // logits.element_size())  # elements per 16-byte access
     # A row start that is not 16-byte aligned: read from the aligned address below it.
-    align = stride % 16 != 0 and out.stride(0) == stride
+    align = stride % 16 != 0
     num_chunks = cdiv(vocab + (vec - 1 if align else 0), cfg.chunk)
     kw = min(32 * vec, cfg.block)  # one warp's 16-byte accesses per tile row
     queue = cfg.queue or (num_chunks > 1 and not logits.is_cuda)
