@@ -59,6 +59,11 @@ def variants() -> dict[str, object]:
         "lean queue 4096/2048 w4 r32": C(4096, 2048, 4, lean=True, queue=True, maxnreg=32),
         "lean queue 16384/2048 w4 r32": C(16384, 2048, 4, lean=True, queue=True, maxnreg=32),
         "lean spin 8192/2048 w4 r40": C(8192, 2048, 4, spin=True, lean=True, maxnreg=40),
+        # one program does a reduce task, then the write task lag rows back: half the tickets
+        "lean pair 8192/2048 w4": C(8192, 2048, 4, lean=True, queue=True, pair=True),
+        "lean pair 8192/2048 w4 r32": C(
+            8192, 2048, 4, lean=True, queue=True, pair=True, maxnreg=32
+        ),
         # one block per chunk: all of a chunk's loads in flight at once
         "lean queue 4096/4096 w4": C(4096, 4096, 4, lean=True, queue=True),
         "lean queue 8192/8192 w8": C(8192, 8192, 8, lean=True, queue=True),

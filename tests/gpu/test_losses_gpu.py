@@ -219,6 +219,7 @@ LEAN = {
     "queue": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True),
     "queue-4096-lag1-reverse": dict(chunk=4096, block=1024, num_warps=4, lean=True, queue=True, lag=1, reverse=True),
     "queue-r32": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, maxnreg=32),
+    "pair": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, pair=True),
     "queue-pid": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, ticket=False),
 }  # fmt: skip
 

@@ -29,6 +29,8 @@ CE_VARIANTS = {
         reverse=True,
         evict=True,
     ),  # fmt: skip
+    # a reduce task and a write task per program
+    "lean-queue-pair": dict(chunk=512, block=256, num_warps=4, lean=True, queue=True, pair=True),
     # the whole row in one chunk: no partials, no waiting (the spin schedule's one-chunk case)
     "lean-one-chunk": dict(chunk=2048, block=1024, num_warps=4, lean=True, spin=True),
 }

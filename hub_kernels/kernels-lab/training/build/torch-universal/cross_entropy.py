@@ -575,31 +575,19 @@ def _lean_wait(count_ptr, row, NUM_CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _ce_lean_kernel(
-    logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
-    gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing, lse_sq_scale, cap,
+def _lean_task(
+    row, chunk, is_write, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr,
+    stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+    lse_sq_scale, cap,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr,
     R: tl.constexpr, KW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUEUE: tl.constexpr,
-    TICKET: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr, VEC: tl.constexpr,
-    REVERSE: tl.constexpr, LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr,
+    ALIGN: tl.constexpr, VEC: tl.constexpr, REVERSE: tl.constexpr,
+    LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr,
 ):  # fmt: skip
+    """One task on chunk `chunk` of row `row` (nothing when the row is out of range): with QUEUE
+    a reduce task, or (is_write) a write task; otherwise both, spinning between them."""
     NB: tl.constexpr = CHUNK // (R * KW)
-    if TICKET:
-        t = tl.atomic_add(count_ptr + n_rows, 1)
-    else:
-        t = tl.program_id(0)
-    if QUEUE:
-        # Step j holds the reduce tasks of row j and the write tasks of row j - LAG, alternating.
-        step = t // (2 * NUM_CHUNKS)
-        within = t % (2 * NUM_CHUNKS)
-        is_write = (within % 2) == 1
-        chunk = within // 2
-        row = tl.where(is_write, step - LAG, step)
-    else:
-        is_write = True
-        row = t // NUM_CHUNKS
-        chunk = t % NUM_CHUNKS
     if (row >= 0) & (row < n_rows):
         shift = 0
         row_off = row.to(tl.int64) * stride
@@ -655,6 +643,59 @@ def _ce_lean_kernel(
 
 
 @triton.jit
+def _ce_lean_kernel(
+    logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
+    gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing, lse_sq_scale, cap,
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr,
+    R: tl.constexpr, KW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUEUE: tl.constexpr,
+    PAIR: tl.constexpr, TICKET: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr,
+    VEC: tl.constexpr, REVERSE: tl.constexpr, LOAD_POLICY: tl.constexpr,
+    STORE_POLICY: tl.constexpr,
+):  # fmt: skip
+    if TICKET:
+        t = tl.atomic_add(count_ptr + n_rows, 1)
+    else:
+        t = tl.program_id(0)
+    if QUEUE and PAIR:
+        # One program, two tasks on the same chunk index: reduce row j, then write row j - LAG
+        # (whose reduce tasks all belong to programs with smaller tickets, which did them first).
+        step = t // NUM_CHUNKS
+        chunk = t % NUM_CHUNKS
+        _lean_task(
+            step, chunk, False, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr,
+            stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+            lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP, HAS_SMOOTHING,
+            WRITE_GRAD, HAS_ROW_SCALE, QUEUE, ALIGN, VEC, REVERSE, LOAD_POLICY, STORE_POLICY,
+        )  # fmt: skip
+        _lean_task(
+            step - LAG, chunk, True, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr,
+            lse_ptr, stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index,
+            smoothing, lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP,
+            HAS_SMOOTHING, WRITE_GRAD, HAS_ROW_SCALE, QUEUE, ALIGN, VEC, REVERSE, LOAD_POLICY,
+            STORE_POLICY,
+        )  # fmt: skip
+    else:
+        if QUEUE:
+            # Step j: the reduce tasks of row j and the write tasks of row j - LAG, alternating.
+            step = t // (2 * NUM_CHUNKS)
+            within = t % (2 * NUM_CHUNKS)
+            is_write = (within % 2) == 1
+            chunk = within // 2
+            row = tl.where(is_write, step - LAG, step)
+        else:
+            is_write = True
+            row = t // NUM_CHUNKS
+            chunk = t % NUM_CHUNKS
+        _lean_task(
+            row, chunk, is_write, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr,
+            stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+            lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP, HAS_SMOOTHING,
+            WRITE_GRAD, HAS_ROW_SCALE, QUEUE, ALIGN, VEC, REVERSE, LOAD_POLICY, STORE_POLICY,
+        )  # fmt: skip
+
+
+@triton.jit
 def _scale_kernel(
     x_ptr, numel, row_len, g_ptr, n_blocks, PER_ROW: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
@@ -705,7 +746,9 @@ class CEConfig:
     config falls back to the queue when a row has several chunks). ``ticket``: take tasks in
     the order programs start (a global counter) rather than by program id. ``lag``: rows
     between a chunk's reduce task and its write task (queue). ``reverse``: the gradient pass
-    visits a chunk's blocks last-read first. ``maxnreg``: cap the lean kernel's registers per
+    visits a chunk's blocks last-read first. ``pair`` (queue): each program does a reduce task
+    and then the write task of the same chunk ``lag`` rows back (half the programs and
+    tickets). ``maxnreg``: cap the lean kernel's registers per
     thread (GPU), so more programs fit an SM (32 lets 16 programs of 4 warps share one).
     """
 
@@ -721,6 +764,7 @@ class CEConfig:
     lag: int = 4
     reverse: bool = False
     maxnreg: int | None = None
+    pair: bool = False
 
     def __post_init__(self):
         if self.one_pass and self.chunk != self.block:
@@ -873,7 +917,9 @@ def _lean_rows(
         stats = torch.empty(n * num_chunks * 4, dtype=torch.float32, device=logits.device)
     if num_chunks > 1 or queue or cfg.ticket:
         counts = torch.zeros(n + 1, dtype=torch.int32, device=logits.device)
-    tasks = (n + cfg.lag) * 2 * num_chunks if queue else n * num_chunks
+    tasks = n * num_chunks
+    if queue:
+        tasks = (n + cfg.lag) * num_chunks * (1 if cfg.pair else 2)
     _ce_lean_kernel[(tasks,)](
         logits,
         out,
@@ -901,6 +947,7 @@ def _lean_rows(
         WRITE_GRAD=grad is not None,
         HAS_ROW_SCALE=row_scale is not None,
         QUEUE=queue,
+        PAIR=cfg.pair,
         TICKET=cfg.ticket,
         LAG=cfg.lag,
         ALIGN=align,
