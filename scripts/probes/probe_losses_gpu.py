@@ -45,13 +45,11 @@ def variants() -> dict[str, object]:
     return {
         "default": None,
         "lean spin 8192/2048 w4": C(8192, 2048, 4, spin=True, lean=True),
-        "lean spin 16384/4096 w8": C(16384, 4096, 8, spin=True, lean=True),
         "lean spin 8192/2048 w4 evict": C(8192, 2048, 4, spin=True, lean=True, evict=True),
         "lean queue 8192/2048 w4 lag4": C(8192, 2048, 4, lean=True, queue=True),
         "lean queue 8192/2048 w4 lag1": C(8192, 2048, 4, lean=True, queue=True, lag=1),
         "lean queue 8192/2048 w4 evict": C(8192, 2048, 4, lean=True, queue=True, evict=True),
         "lean queue 8192/2048 w4 reverse": C(8192, 2048, 4, lean=True, queue=True, reverse=True),
-        "lean queue 4096/2048 w4": C(4096, 2048, 4, lean=True, queue=True),
         "lean queue 8192/4096 w8": C(8192, 4096, 8, lean=True, queue=True),
         "lean queue 16384/4096 w8": C(16384, 4096, 8, lean=True, queue=True),
         # at most 32 registers per thread (no spills for the queue): 16 programs per SM, not 9
