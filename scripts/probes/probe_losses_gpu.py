@@ -18,6 +18,9 @@ Stages (a later stage is skipped once --budget-s is spent; the default fits in 3
 4. fused linear CE at N16384 H1024 V151936 and N8192 H2048 V256000 with the default and the
    two fastest CE variants, plus Liger and torch.compile, and one chunk's steps timed apart.
 One table at the end (and JSON under --out).
+
+``--confirm NAME,...`` instead times the default and the named variants at every shape of the
+ce sweep and four FLCE shapes, against Liger (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def variants() -> dict[str, object]:
     """name -> CEConfig (None: the shipped default)."""
     return {
         "default": None,
+        # the kernel the default ran before issue 17 (today the same: a measure of the noise)
+        "old kernel spin 8192/2048 w4": C(8192, 2048, 4, spin=True),
         "lean spin 8192/2048 w4": C(8192, 2048, 4, spin=True, lean=True),
         "lean spin 8192/2048 w4 evict": C(8192, 2048, 4, spin=True, lean=True, evict=True),
         "lean queue 8192/2048 w4 lag4": C(8192, 2048, 4, lean=True, queue=True),
@@ -246,15 +251,70 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CONFIRM_CE = [(8192, v) for v in (32000, 50257, 128256, 151936, 262144)] + [
+    (2048, 151936),
+    (16384, 128256),
+    (4096, 256000),
+]
+CONFIRM_FLCE = [(16384, 1024, 151936), (8192, 2048, 256000), (8192, 2048, 32000),
+                (8192, 2048, 128256)]  # fmt: skip
+
+
+def confirm(names: list[str], args) -> int:
+    """The default and the named variants at every shape of the sweeps, with Liger."""
+    table_vars = variants()
+    unknown = [n for n in names if n not in table_vars]
+    if unknown:
+        print(f"unknown variants {unknown}; known: {list(table_vars)}", file=sys.stderr)
+        return 2
+    rows: list[dict] = []
+    for n, v in CONFIRM_CE:
+        logits, t = ce_inputs(n, v)
+        use(None)
+        ref = ce_once(logits, t)
+        for name in ["default", *names]:
+            cfg = table_vars[name]
+            rows.append(ce_rows_for(name, cfg, logits, t, ref if cfg is not None else None))
+        rows.append(ce_peer("liger", logits, t))
+        del logits, ref
+        torch.cuda.empty_cache()
+    for n, h, v in CONFIRM_FLCE:
+        hid, w, t = flce_inputs(n, h, v)
+        first = flce_row("default", None, hid, w, t, None)
+        ref = first.pop("_ref", None)
+        rows.append(first)
+        for name in names:
+            r = flce_row(name, table_vars[name], hid, w, t, ref)
+            r.pop("_ref", None)
+            rows.append(r)
+        rows.append(flce_row("liger", None, hid, w, t, None, peer="liger"))
+        del hid, w, t, ref
+        torch.cuda.empty_cache()
+    print(table(rows))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe_losses_confirm.json").write_text(json.dumps(rows, indent=1, default=str))
+        (args.out / "probe_losses_confirm.md").write_text(table(rows) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--budget-s", type=float, default=170.0)
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    ap.add_argument(
+        "--confirm",
+        default="",
+        help="comma-separated variant names: time only these and the default, at every CE shape "
+        "of the ce sweep and four FLCE shapes, against Liger (no torch.compile)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_losses_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.confirm:
+        return confirm([n for n in args.confirm.split(",") if n], args)
     t_end = time.monotonic() + args.budget_s
     torch._dynamo.config.cache_size_limit = 64
     env = {
