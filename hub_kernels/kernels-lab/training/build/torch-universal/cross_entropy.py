@@ -25,6 +25,9 @@ When a gradient is needed the logits buffer is consumed: it holds the gradient a
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -781,9 +784,50 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+CONFIG_ENV = "KERNELS_CE_CONFIG"
+
+
+@functools.lru_cache(maxsize=16)
+def parse_config(spec: str) -> CEConfig:
+    """A `CEConfig` from "field=value,..." (a bare field name means True), e.g.
+    ``"chunk=8192,block=2048,num_warps=4,lean,queue,maxnreg=32"``; ValueError on a bad spec."""
+    fields = {f.name: f for f in dataclasses.fields(CEConfig)}
+    kwargs: dict = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in fields:
+            raise ValueError(
+                f"{CONFIG_ENV}={spec!r}: unknown field {key!r}; use field=value pairs of "
+                f"{', '.join(fields)}"
+            )
+        if not value:
+            kwargs[key] = True
+        elif value.strip().lower() in ("true", "false"):
+            kwargs[key] = value.strip().lower() == "true"
+        else:
+            try:
+                kwargs[key] = int(value)
+            except ValueError:
+                raise ValueError(
+                    f"{CONFIG_ENV}={spec!r}: {key}={value!r} is not an integer or true/false"
+                ) from None
+    missing = [k for k in ("chunk", "block", "num_warps") if k not in kwargs]
+    if missing:
+        raise ValueError(f"{CONFIG_ENV}={spec!r}: give {', '.join(missing)} as well")
+    try:
+        return CEConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{CONFIG_ENV}={spec!r}: {exc}") from None
+
+
 def default_config(vocab: int, device: torch.device) -> CEConfig:
     """Launch shape for a vocabulary size (the fastest of a sweep on an H200, bf16 151936-wide
-    rows: 1.66 ms for 8192 rows; docs/losses.md)."""
+    rows: 1.66 ms for 8192 rows; docs/losses.md), or the one the environment variable
+    KERNELS_CE_CONFIG spells (see `parse_config`: how the variants are tried without code)."""
+    spec = os.environ.get(CONFIG_ENV)
+    if spec:
+        return parse_config(spec)
     if device.type != "cuda":
         # The interpreter: a row that fits one block takes the one-pass path; a wider row is
         # split over programs of two blocks each, and the last one to finish writes the row.
