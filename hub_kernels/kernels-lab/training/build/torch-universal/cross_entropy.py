@@ -855,9 +855,12 @@ def ce_rows(
     weight: torch.Tensor | None = None,
     z_scale: torch.Tensor | None = None,
     pred: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and log-sum-exp (fp32) of [N, V] logits; when `grad` is given, write
     ``grad_scale * row_scale[row] * dloss/dlogits`` into it (``grad`` may be ``logits`` itself).
+    With `out` (two contiguous fp32 [N] tensors, e.g. slices of a caller's buffers) the loss and
+    log-sum-exp are written there and returned, instead of into new tensors.
 
     `grad_scale` is a one-element fp32 device tensor, so a mean's 1/count needs no host sync.
     With class weights `weight` ([V] fp32, contiguous) the loss is torch's weighted one plus the
@@ -865,12 +868,18 @@ def ce_rows(
     With `pred` ([N] int64) each row's argmax (first of ties; -1 for ignored rows) is stored.
     """
     n, vocab = logits.shape
-    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if out is None:
+        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    else:
+        loss, lse = out
+        for t in out:
+            if t.shape != (n,) or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"out must be two contiguous fp32 ({n},) tensors, got {t.shape}")
     if n == 0:
         return loss, lse
     if not use_triton(logits):
-        return _torch_ce_rows(
+        computed = _torch_ce_rows(
             logits,
             target,
             grad,
@@ -884,6 +893,11 @@ def ce_rows(
             z_scale,
             pred,
         )
+        if out is None:
+            return computed
+        loss.copy_(computed[0])
+        lse.copy_(computed[1])
+        return loss, lse
     cfg = config or default_config(vocab, logits.device)
     # The lean kernel addresses the gradient with the logits' row stride.
     same_rows = grad is None or grad.stride(0) == logits.stride(0)
