@@ -56,8 +56,17 @@ def launches(ce):
         yield recorder
 
 
-def ce_ran_on_gpu(launches: TritonLaunches, **options) -> None:
-    launches.assert_launched("_ce_fwd_kernel", **options)
+def default_kernel(ce, vocab: int) -> str:
+    """The CE kernel the shipped default config launches at this vocabulary."""
+    return (
+        "_ce_lean_kernel"
+        if ce.default_config(vocab, torch.device("cuda")).lean
+        else ("_ce_fwd_kernel")
+    )
+
+
+def ce_ran_on_gpu(launches: TritonLaunches, kernel: str, **options) -> None:
+    launches.assert_launched(kernel, **options)
     launches.assert_device_matches()
 
 
@@ -94,7 +103,7 @@ def test_ce_anchor_shape_bf16(ce, launches):
     x = logits.clone().requires_grad_(True)
     loss = ce.cross_entropy(x, t)
     (grad,) = torch.autograd.grad(loss, x)
-    ce_ran_on_gpu(launches, WRITE_GRAD=True)
+    ce_ran_on_gpu(launches, default_kernel(ce, vocab), WRITE_GRAD=True)
     assert rel_err(loss, ref) < 1e-5
     assert rel_err(grad, ref_grad) < 1e-2
     assert (grad[t == -100] == 0).all()
@@ -113,7 +122,7 @@ def _flce_reference(h, w, b, t, **kw):
     return loss.detach(), torch.autograd.grad(loss, leaves)
 
 
-def test_flce_llama_head_bf16(fl, launches):
+def test_flce_llama_head_bf16(fl, ce, launches):
     """N 4096, H 4096, V 128256 bf16, several chunks: loss and grads vs fp32 torch."""
     n, hdim, vocab = 4096, 4096, 128256
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -122,13 +131,13 @@ def test_flce_llama_head_bf16(fl, launches):
     ref, (ref_dh, ref_dw) = _flce_reference(h, w, None, t)
     loss = fl.fused_linear_cross_entropy(h, w, t)
     dh, dw = torch.autograd.grad(loss * 2.5, [h, w])  # grad_output != 1 too
-    ce_ran_on_gpu(launches)
+    ce_ran_on_gpu(launches, default_kernel(ce, vocab))
     assert rel_err(loss, ref) < 1e-3
     assert rel_err(dh, 2.5 * ref_dh) < 1e-2
     assert rel_err(dw, 2.5 * ref_dw) < 1e-2
 
 
-def test_flce_bias_none_reduction_qwen_vocab(fl, launches):
+def test_flce_bias_none_reduction_qwen_vocab(fl, ce, launches):
     """H 1024, V 151936 with bias, smoothing; reduction none takes the recompute path."""
     n, hdim, vocab = 2048, 1024, 151936
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -143,13 +152,13 @@ def test_flce_bias_none_reduction_qwen_vocab(fl, launches):
         h, w, t, b, reduction="none", label_smoothing=0.1, chunk_rows=768
     )
     grads = torch.autograd.grad(loss, [h, w, b], g_out)
-    ce_ran_on_gpu(launches)
+    ce_ran_on_gpu(launches, default_kernel(ce, vocab))
     assert rel_err(loss, ref) < 1e-3
     for got, want in zip(grads, ref_grads, strict=True):
         assert rel_err(got, want) < 1e-2
 
 
-def test_flce_tied_embedding(fl, launches):
+def test_flce_tied_embedding(fl, ce, launches):
     vocab, hdim, n = 32000, 1024, 2048
     emb = torch.nn.Embedding(vocab, hdim, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -161,7 +170,7 @@ def test_flce_tied_embedding(fl, launches):
     w32 = emb.weight.detach().float().requires_grad_(True)
     ref = F.cross_entropy((w32[ids] * 0.5) @ w32.t(), t)
     (ref_dw,) = torch.autograd.grad(ref, w32)
-    ce_ran_on_gpu(launches)
+    ce_ran_on_gpu(launches, default_kernel(ce, vocab))
     assert rel_err(loss, ref) < 1e-3 and rel_err(dw, ref_dw) < 1e-2
 
 
@@ -202,10 +211,66 @@ def test_ce_options_every_launch_shape(ce, config, inplace, launches):
     loss, _ = ce.ce_rows(source, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, **opts)
     asked = cfg or ce.default_config(vocab, logits.device)
     several = vocab > asked.chunk  # spinning and one-pass programs need several chunks per row
-    ce_ran_on_gpu(
-        launches, CHUNK=asked.chunk, BLOCK=asked.block, num_warps=asked.num_warps,
-        SPIN=asked.spin and several, ONE_PASS=asked.one_pass and (asked.spin and several or not several),
-        LOAD_POLICY="evict_last" if asked.evict else "",
-    )  # fmt: skip
+    if asked.lean:  # the default may be the lean kernel (test_ce_lean_variants covers it)
+        ce_ran_on_gpu(launches, "_ce_lean_kernel", CHUNK=asked.chunk, num_warps=asked.num_warps)
+    else:
+        ce_ran_on_gpu(
+            launches, "_ce_fwd_kernel", CHUNK=asked.chunk, BLOCK=asked.block,
+            num_warps=asked.num_warps, SPIN=asked.spin and several,
+            ONE_PASS=asked.one_pass and (asked.spin and several or not several),
+            LOAD_POLICY="evict_last" if asked.evict else "",
+        )  # fmt: skip
     assert rel_err(loss, per_row) < 1e-5
     assert rel_err(grad, ref_grad) < 1e-2
+
+
+# The lean kernel's variants (CEConfig(lean=True, ...)); the pid ones wait on siblings that only
+# the GPU's in-order dispatch guarantees to run, so they come last.
+LEAN = {
+    "spin": dict(chunk=8192, block=2048, num_warps=4, spin=True, lean=True),
+    "spin-16384-w8-evict": dict(chunk=16384, block=4096, num_warps=8, spin=True, lean=True, evict=True),
+    "queue": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True),
+    "queue-4096-lag1-reverse": dict(chunk=4096, block=1024, num_warps=4, lean=True, queue=True, lag=1, reverse=True),
+    "queue-r32": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, maxnreg=32),
+    "pair": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, pair=True),
+    "queue-pid": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, ticket=False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", list(LEAN.values()), ids=list(LEAN))
+@pytest.mark.parametrize("vocab", [151936, 50257])
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "options"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "inplace"])
+def test_ce_lean_variants(ce, config, vocab, options, inplace, launches):
+    """Each lean variant, plain (the fast path) and with smoothing + z-loss + softcap and
+    per-token upstream gradients, at a real vocabulary and at one whose rows are not 16-byte
+    aligned (50257: the aligned-read path), in place and into its own buffer, vs float64."""
+    n = 512
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    t = targets(n, vocab)
+    g_out = torch.rand(n, device="cuda") + 0.5
+    cap, eps, lam = (20.0, 0.1, 1e-3) if options else (None, 0.0, 0.0)
+    x64 = logits.double().requires_grad_(True)
+    z = cap * torch.tanh(x64 / cap) if cap else x64
+    logp = torch.log_softmax(z, -1)
+    lse = torch.logsumexp(z, -1)
+    valid = t != -100
+    per_row = (1 - eps) * -logp.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
+    per_row = torch.where(valid, per_row + eps * -logp.mean(-1) + lam * lse**2, 0.0)
+    (ref_grad,) = torch.autograd.grad(per_row, x64, g_out.double())
+    grad = logits.clone() if inplace else torch.full_like(logits, float("nan"))
+    source = grad if inplace else logits
+    cfg = ce.CEConfig(**config)
+    loss, _ = ce.ce_rows(
+        source, t, grad, torch.ones(1, device="cuda"), row_scale=g_out, label_smoothing=eps,
+        lse_square_scale=lam, softcap=cap, config=cfg,
+    )  # fmt: skip
+    launches.assert_launched(
+        "_ce_lean_kernel", CHUNK=cfg.chunk, num_warps=cfg.num_warps, QUEUE=cfg.queue,
+        TICKET=cfg.ticket, ALIGN=vocab % 16 != 0, REVERSE=cfg.reverse,
+        LOAD_POLICY="evict_last" if cfg.evict else "",
+    )  # fmt: skip
+    launches.assert_device_matches()
+    assert rel_err(loss, per_row) < 1e-5
+    assert rel_err(grad, ref_grad) < 1e-2
+    assert (grad[~valid] == 0).all()

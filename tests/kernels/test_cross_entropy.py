@@ -7,6 +7,9 @@ import importlib
 import pytest
 import torch
 from _training_refs import rel_err
+from cross_entropy_variants import ce_variant  # noqa: F401 - a fixture
+
+from tests.gpu.launches import TritonLaunches
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("ce_variant")
 @pytest.mark.parametrize(
     "opts,reduction,dtype,vocab",
     CASES,
@@ -129,6 +133,7 @@ def test_chunk_layouts_agree(ce, chunk, block):
     assert rel_err(lse[keep], ref_lse[keep]) < 1e-6
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_inplace_consumes_logits_and_bumps_version(ce):
     logits, target = make_inputs(12, 1000, torch.bfloat16)
     _, ref_dx = reference(logits, target)
@@ -153,6 +158,7 @@ def test_inplace_misuse_is_reported(ce):
         loss.backward()
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_not_inplace_keeps_logits(ce):
     logits, target = make_inputs(12, 1531, torch.float32)
     ref_loss, ref_dx = reference(logits, target, smoothing=0.1)
@@ -164,6 +170,7 @@ def test_not_inplace_keeps_logits(ce):
     assert rel_err(x.grad, ref_dx) < 2e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_num_items_divisor(ce):
     logits, target = make_inputs(16, 1000, torch.float32)
     ref_loss, ref_dx = reference(logits, target, num_items=37)
@@ -175,6 +182,7 @@ def test_num_items_divisor(ce):
         assert rel_err(x.grad, ref_dx) < 2e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 @pytest.mark.parametrize("vocab", [1000, 1531])
 def test_no_grad_leaves_logits_untouched(ce, vocab):
     """Under torch.no_grad() nothing is written, even into logits that require grad."""
@@ -187,6 +195,7 @@ def test_no_grad_leaves_logits_untouched(ce, vocab):
     assert rel_err(loss, ref_loss) < 1e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_3d_logits_and_all_ignored(ce):
     logits, target = make_inputs(2 * 6, 1000, torch.float32)
     x = logits.view(2, 6, 1000).clone().requires_grad_(True)
@@ -202,6 +211,7 @@ def test_3d_logits_and_all_ignored(ce):
     assert (y.grad == 0).all()
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_out_of_range_target_gives_nan(ce):
     logits, target = make_inputs(6, 1000, torch.float32, ignore_frac=0.0)
     target[3] = 1000
@@ -229,3 +239,70 @@ def test_torch_path_matches_kernel(ce, monkeypatch):
     g2 = torch.empty_like(logits)
     l2, s2 = ce.ce_rows(logits, target, g2, torch.tensor([0.5]), **opts)
     assert rel_err(l1, l2) < 1e-6 and rel_err(g1, g2) < 1e-6 and rel_err(s1, s2) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk,block", [(512, 256), (256, 128)])
+def test_lean_targets_at_chunk_edges(ce, dtype, chunk, block):
+    """Rows 1531 wide are not 16-byte aligned, so the lean kernel reads each from the aligned
+    address below its start and its chunk edges move by that shift, row by row. Targets on
+    every column next to a nominal chunk edge: the loss and the target column's gradient must
+    come from the program that really holds the target."""
+    vocab, n = 1531, 48
+    logits, _ = make_inputs(n, vocab, dtype, ignore_frac=0.0)
+    edges = torch.arange(chunk, vocab, chunk)
+    target = (edges[torch.arange(n) % len(edges)] + torch.arange(n) % 16 - 8).clamp(0, vocab - 1)
+    ref_loss, ref_dx = reference(logits, target, reduction="none")
+    grad = torch.full_like(logits, float("nan"))
+    cfg = ce.CEConfig(chunk=chunk, block=block, num_warps=4, lean=True, queue=True)
+    loss, _ = ce.ce_rows(logits, target, grad, torch.ones(1), config=cfg)
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert rel_err(grad, ref_dx) < TOL[dtype]
+
+
+def test_scale_rows_strides_over_more_blocks_than_programs(ce):
+    """The backward's in-place scale: a persistent grid (at most 8 programs per SM; the
+    interpreter counts 4 SMs) strides over 1 << 16-element blocks, here 41 of them, with one
+    factor, one per row (rows of factor 1 included), and a factor of exactly 1 (a no-op)."""
+    x = torch.randn(40, 65536 + 3)
+    for g in (torch.tensor(1.5), torch.rand(40) + 0.5, torch.ones(1)):
+        if g.numel() == 40:
+            g[::3] = 1.0
+        y = x.clone()
+        ce.scale_rows_(y, g)
+        expect = x * (g[:, None] if g.numel() == 40 else g)
+        assert torch.equal(y, expect)
+
+
+def test_config_from_environment(ce, monkeypatch):
+    """KERNELS_CE_CONFIG picks the launch config (here a lean queue variant) for cross_entropy
+    without code changes; the kernel launched is the one it names, and the result is right."""
+    monkeypatch.setenv("KERNELS_CE_CONFIG", "chunk=512, block=256, num_warps=4, lean, queue, lag=2")
+    logits, target = make_inputs(12, 1531, torch.float32)
+    ref_loss, ref_dx = reference(logits, target, smoothing=0.1)
+    x = logits.clone().requires_grad_(True)
+    with TritonLaunches(ce) as launches:
+        loss = ce.cross_entropy(x, target, label_smoothing=0.1)
+    launches.assert_launched("_ce_lean_kernel", CHUNK=512, QUEUE=True, LAG=2, PAIR=False)
+    assert not launches.of("_ce_fwd_kernel")
+    loss.backward()
+    assert rel_err(loss.detach(), ref_loss) < 1e-6
+    assert rel_err(x.grad, ref_dx) < 2e-5
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("chunk=512,block=256,num_warps=4,speed=9", "unknown field 'speed'"),
+        ("chunk=512,block=256,num_warps=four", "not an integer"),
+        ("chunk=512,lean", "give block, num_warps"),
+        ("chunk=512,block=384,num_warps=4", "multiple of block"),
+        ("chunk=512,block=256,num_warps=4,lean,queue,lag=0", "lag must be at least 1"),
+    ],
+)
+def test_config_from_environment_rejects_bad_specs(ce, monkeypatch, spec, match):
+    monkeypatch.setenv("KERNELS_CE_CONFIG", spec)
+    logits, target = make_inputs(4, 1000, torch.float32)
+    with pytest.raises(ValueError, match=match) as info:
+        ce.cross_entropy(logits, target)
+    assert str(info.value).startswith("KERNELS_CE_CONFIG=") and "\n" not in str(info.value)

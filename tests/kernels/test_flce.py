@@ -8,6 +8,7 @@ import socket
 import pytest
 import torch
 from _training_refs import rel_err
+from cross_entropy_variants import ce_variant  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("ce_variant")
 @pytest.mark.parametrize(
     "dtype,vocab,bias,opts,reduction",
     CASES,
@@ -116,6 +118,7 @@ def test_loss_and_grads(fl, dtype, vocab, bias, opts, reduction):
         assert rel_err(g, r) < TOL[dtype], name
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_tied_weights_add_up(fl):
     """lm_head tied to the input embedding: both uses' gradients land in the one parameter."""
     vocab, hdim, n = 1000, 32, 24
@@ -133,6 +136,7 @@ def test_tied_weights_add_up(fl):
     assert rel_err(emb.grad, ref_grad) < 2e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_num_items_and_3d_hidden(fl):
     hidden, weight, _, target = make_inputs(2 * 10, 32, 1000, torch.float32)
     ref_loss, (ref_dh, ref_dw) = reference(hidden, weight, None, target, num_items=31)
@@ -144,6 +148,7 @@ def test_num_items_and_3d_hidden(fl):
     assert rel_err(h.grad.view(20, 32), ref_dh) < 2e-5 and rel_err(w.grad, ref_dw) < 2e-5
 
 
+@pytest.mark.usefixtures("ce_variant")
 def test_only_weight_needs_grad_and_no_grad(fl):
     hidden, weight, _, target = make_inputs(20, 32, 1531, torch.float32)
     ref_loss, (_, ref_dw) = reference(hidden, weight, None, target, smoothing=0.1)
@@ -230,3 +235,35 @@ def test_sharded_dtensor_weight_is_gathered_and_grad_flows_back(fl):
     finally:
         if started:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("want_lse", [False, True], ids=["plain", "z-loss-returned"])
+def test_chunks_write_loss_in_place(fl, monkeypatch, want_lse):
+    """Every chunk's loss (and log-sum-exp, when the options keep it) is written by the kernel
+    straight into slices of one per-call buffer: no per-chunk loss buffers and no copies. The
+    returned per-token loss is that buffer."""
+    seen = []
+    real = fl.ce_rows
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["out"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fl, "ce_rows", recording)
+    hidden, weight, _, target = make_inputs(40, 16, 1000, torch.float32)
+    out = fl.fused_linear_cross_entropy(
+        hidden, weight, target, reduction="none", chunk_rows=10, lse_square_scale=1e-3,
+        return_z_loss=want_lse,
+    )  # fmt: skip
+    loss = out.loss if want_lse else out
+    ref_loss, _ = reference(hidden, weight, None, target, reduction="none", zloss=1e-3)
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert len(seen) == 4
+    loss_slices = [o[0] for o in seen]
+    lse_slices = [o[1] for o in seen]
+    assert all(
+        s.untyped_storage().data_ptr() == loss.untyped_storage().data_ptr() for s in loss_slices
+    )
+    assert [s.storage_offset() for s in loss_slices] == [0, 10, 20, 30]
+    # one log-sum-exp buffer too: per call (kept for the z-loss) or reused across chunks
+    assert len({s.untyped_storage().data_ptr() for s in lse_slices}) == 1

@@ -25,6 +25,9 @@ When a gradient is needed the logits buffer is consumed: it holds the gradient a
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, fast_launch, use_triton
+from ._common import cdiv, fast_launch, sm_count, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -364,25 +367,371 @@ def _ce_fwd_kernel(
                     )
 
 
+# --- The lean kernel: the plain options (smoothing, z-loss, softcap, row scales) only ----------
+#
+# Fewer instructions per element than _ce_fwd_kernel, which does ~16 ALU ops and two exp per
+# element (close to the H200's issue rate at the copy speed): the exponent is one FMA
+# (z * log2(e) - m * log2(e)); the scale folds into the softmax's FMA; only the program that
+# holds the target column compares columns with it; only a row's partial first and last blocks
+# are masked. A block is a [R, KW] tile whose rows are one warp wide, so the running max and sum
+# are kept per tile row and reduced inside warps (no CTA barrier per block); the tile rows are
+# combined once per chunk.
+#
+# Two schedules. ``queue``: every program takes one task from a global ticket counter, either
+# "reduce chunk c of row r" (publish its max, sum) or "write chunk c of row r - LAG" (wait until
+# row r - LAG is reduced, then rewrite the chunk as the gradient). A write task only ever waits
+# for reduce tasks with smaller tickets, which never wait themselves, so there is no deadlock
+# however the GPU schedules programs, and it also runs on the CPU interpreter (programs in
+# order). The re-read of a chunk comes LAG rows after its first read, so it still hits L2.
+# ``spin`` (GPU only): as _ce_fwd_kernel's spin, the programs of a row wait for each other.
+#
+# Rows whose byte offset is not 16-byte aligned (a vocabulary such as 50257) are read from the
+# aligned address below the row start (ALIGN), so the full blocks still use 16-byte accesses.
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _lean_online(z, zs, m_r, s_r, sz_r, HAS_SMOOTHING: tl.constexpr):
+    """Fold one [R, L, VEC] tile into the running max m_r, sum s_r (and sum of z), [R, L]: one
+    slot per thread's VEC contiguous columns, so the max and sums stay inside the thread."""
+    mn = tl.maximum(m_r, tl.max(z, 2))
+    e = tl.exp2(z * 1.4426950408889634 - (mn * 1.4426950408889634)[:, :, None])
+    s_r = s_r * tl.exp2((m_r - mn) * 1.4426950408889634) + tl.sum(e, 2)
+    if HAS_SMOOTHING:
+        sz_r += tl.sum(zs, 2)
+    return mn, s_r, sz_r
+
+
+@triton.jit
+def _lean_reduce(
+    base, o0, col0, lo, hi, cap,
+    R: tl.constexpr, KW: tl.constexpr, VEC: tl.constexpr, NB: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, LOAD_POLICY: tl.constexpr,
+):  # fmt: skip
+    """Max, sum of exp(z - max) and sum of z over columns [lo, hi) of one chunk.
+
+    Block i of the chunk sits at base + o0 + i * R * KW (16-byte aligned) and holds columns
+    col0 + i * R * KW + [0, R * KW), as R rows of KW // VEC slots of VEC columns."""
+    L: tl.constexpr = KW // VEC
+    rk = (
+        tl.arange(0, R)[:, None, None] * KW
+        + tl.arange(0, L)[None, :, None] * VEC
+        + tl.arange(0, VEC)[None, None, :]
+    )
+    m_r = tl.full([R, L], -1.0e30, tl.float32)
+    s_r = tl.zeros([R, L], tl.float32)
+    sz_r = tl.zeros([R, L], tl.float32)
+    for i in range(NB):
+        o = o0 + i * (R * KW)
+        c = col0 + i * (R * KW)
+        if (c >= lo) & (c + R * KW <= hi):
+            x = tl.load(base + o + rk, eviction_policy=LOAD_POLICY).to(tl.float32)
+            z = _softcap(x, cap, HAS_SOFTCAP)
+            m_r, s_r, sz_r = _lean_online(z, z, m_r, s_r, sz_r, HAS_SMOOTHING)
+        else:
+            # (names apart from the other branch's: Triton types a name across both branches)
+            cols = c + rk
+            mask = (cols >= lo) & (cols < hi)
+            xm = tl.load(base + o + rk, mask=mask, other=0.0, eviction_policy=LOAD_POLICY)
+            zm = _softcap(xm.to(tl.float32), cap, HAS_SOFTCAP)
+            zs = tl.where(mask, zm, 0.0)
+            zm = tl.where(mask, zm, float("-inf"))
+            m_r, s_r, sz_r = _lean_online(zm, zs, m_r, s_r, sz_r, HAS_SMOOTHING)
+    m = tl.max(tl.max(m_r, 1), 0)
+    s = tl.sum(tl.sum(s_r * tl.exp2((m_r - m) * 1.4426950408889634), 1), 0)
+    sz = tl.sum(tl.sum(sz_r, 1), 0)
+    return m, s, sz
+
+
+@triton.jit
+def _lean_grad(x, cols, y, nl, A, B, TGT, cap, HAS_SOFTCAP: tl.constexpr, HAS_TARGET: tl.constexpr):
+    """A * softmax - B (- TGT at the target column), times the softcap's derivative."""
+    z = _softcap(x, cap, HAS_SOFTCAP)
+    g = tl.exp2(z * 1.4426950408889634 - nl) * A - B
+    if HAS_TARGET:
+        g = tl.where(cols == y, g - TGT, g)
+    if HAS_SOFTCAP:
+        t = z / cap
+        g = g * (1.0 - t * t)
+    return g
+
+
+@triton.jit
+def _lean_write(
+    base_in, base_out, o0, col0, lo, hi, y, nl, A, B, TGT, cap,
+    R: tl.constexpr, KW: tl.constexpr, NB: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_TARGET: tl.constexpr, REVERSE: tl.constexpr, STORE_POLICY: tl.constexpr,
+):  # fmt: skip
+    """Rewrite columns [lo, hi) of one chunk as the gradient (nl = lse * log2(e))."""
+    rk = tl.arange(0, R)[:, None] * KW + tl.arange(0, KW)[None, :]
+    for j in range(NB):
+        # REVERSE: the most recently read block first, while it is likeliest still in L2.
+        i = NB - 1 - j if REVERSE else j
+        o = o0 + i * (R * KW)
+        c = col0 + i * (R * KW)
+        cols = c + rk
+        if (c >= lo) & (c + R * KW <= hi):
+            x = tl.load(base_in + o + rk).to(tl.float32)
+            g = _lean_grad(x, cols, y, nl, A, B, TGT, cap, HAS_SOFTCAP, HAS_TARGET)
+            tl.store(
+                base_out + o + rk, g.to(base_out.dtype.element_ty), eviction_policy=STORE_POLICY
+            )
+        else:
+            mask = (cols >= lo) & (cols < hi)
+            xm = tl.load(base_in + o + rk, mask=mask, other=0.0).to(tl.float32)
+            gm = _lean_grad(xm, cols, y, nl, A, B, TGT, cap, HAS_SOFTCAP, HAS_TARGET)
+            tl.store(
+                base_out + o + rk, gm.to(base_out.dtype.element_ty), mask=mask,
+                eviction_policy=STORE_POLICY,
+            )  # fmt: skip
+
+
+@triton.jit
+def _lean_zero(base_out, o0, col0, lo, hi, R: tl.constexpr, KW: tl.constexpr, NB: tl.constexpr):
+    """Zero columns [lo, hi) of one chunk (an ignored row's gradient)."""
+    rk = tl.arange(0, R)[:, None] * KW + tl.arange(0, KW)[None, :]
+    zero = tl.zeros([R, KW], dtype=tl.float32).to(base_out.dtype.element_ty)
+    for i in range(NB):
+        cols = col0 + i * (R * KW) + rk
+        tl.store(base_out + o0 + i * (R * KW) + rk, zero, mask=(cols >= lo) & (cols < hi))
+
+
+@triton.jit
+def _lean_finish(
+    logits_base, grad_base, o0, col0, lo, hi, row, y, chunk, m, s, sz,
+    loss_ptr, lse_ptr, gscale_ptr, rscale_ptr, V, smoothing, lse_sq_scale, cap,
+    CHUNK: tl.constexpr, R: tl.constexpr, KW: tl.constexpr, NB: tl.constexpr,
+    ALIGN_SHIFT, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, REVERSE: tl.constexpr,
+    STORE_POLICY: tl.constexpr,
+):  # fmt: skip
+    """With the row's totals known: the loss (by the program holding the target column) and
+    this chunk's gradient."""
+    lse = m + tl.log(s)
+    valid = (y >= 0) & (y < V)
+    y_safe = tl.where(valid, y, 0)
+    owner = chunk == (y_safe + ALIGN_SHIFT) // CHUNK
+    if owner:
+        zy = _softcap(
+            tl.load(logits_base + (y_safe + ALIGN_SHIFT)).to(tl.float32), cap, HAS_SOFTCAP
+        )
+        loss = lse - (1.0 - smoothing) * zy + lse_sq_scale * lse * lse
+        if HAS_SMOOTHING:
+            loss -= smoothing / V * sz
+        tl.store(loss_ptr + row, tl.where(valid, loss, float("nan")))
+        tl.store(lse_ptr + row, lse)
+    if WRITE_GRAD:
+        # In place, every thread reads the target logit above before any thread overwrites it.
+        tl.debug_barrier()
+        scale = tl.load(gscale_ptr).to(tl.float32)
+        if HAS_ROW_SCALE:
+            scale = scale * tl.load(rscale_ptr + row).to(tl.float32)
+        A = scale * (1.0 + 2.0 * lse_sq_scale * lse)
+        B = scale * (smoothing / V)
+        TGT = scale * (1.0 - smoothing)
+        nl = lse * 1.4426950408889634
+        if owner & valid:
+            _lean_write(
+                logits_base, grad_base, o0, col0, lo, hi, y, nl, A, B, TGT, cap,
+                R, KW, NB, HAS_SOFTCAP, True, REVERSE, STORE_POLICY,
+            )  # fmt: skip
+        else:
+            _lean_write(
+                logits_base, grad_base, o0, col0, lo, hi, y, nl, A, B, TGT, cap,
+                R, KW, NB, HAS_SOFTCAP, False, REVERSE, STORE_POLICY,
+            )  # fmt: skip
+
+
+@triton.jit
+def _lean_totals(stats_ptr, row, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr):
+    """The row's max, sum of exp and sum of z from its chunks' published partials."""
+    k = tl.arange(0, NC_POW2)
+    kmask = k < NUM_CHUNKS
+    rbase = stats_ptr + row.to(tl.int64) * NUM_CHUNKS * 4 + k * 4
+    ms = tl.load(rbase, mask=kmask, other=-1.0e30, volatile=True)
+    ss = tl.load(rbase + 1, mask=kmask, other=0.0, volatile=True)
+    szs = tl.load(rbase + 2, mask=kmask, other=0.0, volatile=True)
+    m = tl.max(ms, 0)
+    s = tl.sum(ss * tl.exp2((ms - m) * 1.4426950408889634), 0)
+    return m, s, tl.sum(szs, 0)
+
+
+@triton.jit
+def _lean_publish(stats_ptr, count_ptr, row, chunk, m, s, sz, NUM_CHUNKS: tl.constexpr):
+    """Store this chunk's partials, then count in; returns the count before this arrival."""
+    sbase = stats_ptr + (row.to(tl.int64) * NUM_CHUNKS + chunk) * 4
+    tl.store(sbase, m)
+    tl.store(sbase + 1, s)
+    tl.store(sbase + 2, sz)
+    # A CTA barrier, then the acq_rel atomic: whoever sees the count complete sees the partials.
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _lean_wait(count_ptr, row, NUM_CHUNKS: tl.constexpr):
+    """Spin until all NUM_CHUNKS programs of the row have published their partials."""
+    seen = tl.atomic_add(count_ptr + row, 0, sem="acquire", scope="gpu")
+    while seen < NUM_CHUNKS:
+        seen = tl.atomic_add(count_ptr + row, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _lean_task(
+    row, chunk, is_write, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr,
+    stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+    lse_sq_scale, cap,
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr,
+    R: tl.constexpr, KW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUEUE: tl.constexpr,
+    ALIGN: tl.constexpr, VEC: tl.constexpr, REVERSE: tl.constexpr,
+    LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr,
+):  # fmt: skip
+    """One task on chunk `chunk` of row `row` (nothing when the row is out of range): with QUEUE
+    a reduce task, or (is_write) a write task; otherwise both, spinning between them."""
+    NB: tl.constexpr = CHUNK // (R * KW)
+    if (row >= 0) & (row < n_rows):
+        shift = 0
+        row_off = row.to(tl.int64) * stride
+        if ALIGN:
+            # Start from the 16-byte aligned address at or below the row's first column.
+            shift = (row_off % VEC).to(tl.int32)
+            row_off = tl.multiple_of(row_off - shift, VEC)
+        logits_base = logits_ptr + row_off
+        grad_base = grad_ptr + row_off
+        o0 = chunk * CHUNK
+        col0 = o0 - shift
+        lo = tl.maximum(col0, 0)
+        hi = tl.minimum(col0 + CHUNK, V)
+        y = tl.load(target_ptr + row).to(tl.int32)
+        if y == ignore_index:
+            if is_write:
+                if WRITE_GRAD:
+                    _lean_zero(grad_base, o0, col0, lo, hi, R, KW, NB)
+                if chunk == 0:
+                    tl.store(loss_ptr + row, 0.0)
+                    tl.store(lse_ptr + row, 0.0)
+        elif QUEUE:
+            if is_write:
+                _lean_wait(count_ptr, row, NUM_CHUNKS)
+                m, s, sz = _lean_totals(stats_ptr, row, NUM_CHUNKS, NC_POW2)
+                _lean_finish(
+                    logits_base, grad_base, o0, col0, lo, hi, row, y, chunk, m, s, sz,
+                    loss_ptr, lse_ptr, gscale_ptr, rscale_ptr, V, smoothing, lse_sq_scale, cap,
+                    CHUNK, R, KW, NB, shift, HAS_SOFTCAP, HAS_SMOOTHING, WRITE_GRAD,
+                    HAS_ROW_SCALE, REVERSE, STORE_POLICY,
+                )  # fmt: skip
+            else:
+                m, s, sz = _lean_reduce(
+                    logits_base, o0, col0, lo, hi, cap, R, KW, VEC, NB, HAS_SOFTCAP,
+                    HAS_SMOOTHING, LOAD_POLICY,
+                )  # fmt: skip
+                _lean_publish(stats_ptr, count_ptr, row, chunk, m, s, sz, NUM_CHUNKS)
+        else:
+            m, s, sz = _lean_reduce(
+                logits_base, o0, col0, lo, hi, cap, R, KW, VEC, NB, HAS_SOFTCAP,
+                HAS_SMOOTHING, LOAD_POLICY,
+            )  # fmt: skip
+            if NUM_CHUNKS > 1:
+                _lean_publish(stats_ptr, count_ptr, row, chunk, m, s, sz, NUM_CHUNKS)
+                _lean_wait(count_ptr, row, NUM_CHUNKS)
+                m, s, sz = _lean_totals(stats_ptr, row, NUM_CHUNKS, NC_POW2)
+            _lean_finish(
+                logits_base, grad_base, o0, col0, lo, hi, row, y, chunk, m, s, sz,
+                loss_ptr, lse_ptr, gscale_ptr, rscale_ptr, V, smoothing, lse_sq_scale, cap,
+                CHUNK, R, KW, NB, shift, HAS_SOFTCAP, HAS_SMOOTHING, WRITE_GRAD,
+                HAS_ROW_SCALE, REVERSE, STORE_POLICY,
+            )  # fmt: skip
+
+
 @fast_launch
 @triton.jit
-def _scale_kernel(x_ptr, numel, row_len, g_ptr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_lean_kernel(
+    logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
+    gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing, lse_sq_scale, cap,
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr,
+    R: tl.constexpr, KW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUEUE: tl.constexpr,
+    PAIR: tl.constexpr, TICKET: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr,
+    VEC: tl.constexpr, REVERSE: tl.constexpr, LOAD_POLICY: tl.constexpr,
+    STORE_POLICY: tl.constexpr,
+):  # fmt: skip
+    if TICKET:
+        t = tl.atomic_add(count_ptr + n_rows, 1)
+    else:
+        t = tl.program_id(0)
+    if QUEUE and PAIR:
+        # One program, two tasks on the same chunk index: reduce row j, then write row j - LAG
+        # (whose reduce tasks all belong to programs with smaller tickets, which did them first).
+        step = t // NUM_CHUNKS
+        chunk = t % NUM_CHUNKS
+        _lean_task(
+            step, chunk, False, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr,
+            stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+            lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP, HAS_SMOOTHING,
+            WRITE_GRAD, HAS_ROW_SCALE, QUEUE, ALIGN, VEC, REVERSE, LOAD_POLICY, STORE_POLICY,
+        )  # fmt: skip
+        _lean_task(
+            step - LAG, chunk, True, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr,
+            lse_ptr, stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index,
+            smoothing, lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP,
+            HAS_SMOOTHING, WRITE_GRAD, HAS_ROW_SCALE, QUEUE, ALIGN, VEC, REVERSE, LOAD_POLICY,
+            STORE_POLICY,
+        )  # fmt: skip
+    else:
+        if QUEUE:
+            # Step j: the reduce tasks of row j and the write tasks of row j - LAG, alternating.
+            step = t // (2 * NUM_CHUNKS)
+            within = t % (2 * NUM_CHUNKS)
+            is_write = (within % 2) == 1
+            chunk = within // 2
+            row = tl.where(is_write, step - LAG, step)
+        else:
+            is_write = True
+            row = t // NUM_CHUNKS
+            chunk = t % NUM_CHUNKS
+        _lean_task(
+            row, chunk, is_write, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr,
+            stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+            lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP, HAS_SMOOTHING,
+            WRITE_GRAD, HAS_ROW_SCALE, QUEUE, ALIGN, VEC, REVERSE, LOAD_POLICY, STORE_POLICY,
+        )  # fmt: skip
+
+
+@fast_launch
+@triton.jit
+def _scale_kernel(
+    x_ptr, numel, row_len, g_ptr, n_blocks, PER_ROW: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
     """x *= g over a contiguous tensor: one g, or g[i // row_len] when PER_ROW (one per row).
 
-    A block whose factor is exactly 1 returns at once, so grad_output == 1 costs no traffic and
-    no host check.
+    A persistent grid strides over the blocks. With one g equal to 1 every program returns
+    after one scalar load, so grad_output == 1 costs a single small launch (one program per
+    block would still schedule one CTA per 16 KB of gradient just to return); per row, a
+    block whose factors are all 1 is skipped.
     """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    # int64 block indices (a gradient can pass 2**31 elements); on the interpreter b is an int.
+    first = tl.program_id(0).to(tl.int64)
+    step = tl.num_programs(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK).to(tl.int64)
     if PER_ROW:
-        g = tl.load(g_ptr + offs // row_len, mask=mask, other=1.0).to(tl.float32)
-        skip = tl.min(tl.where(g == 1.0, 1, 0), 0) == 1
+        for b in range(first, n_blocks, step):
+            offs = b * BLOCK + cols
+            mask = offs < numel
+            g = tl.load(g_ptr + offs // row_len, mask=mask, other=1.0).to(tl.float32)
+            if tl.min(tl.where(g == 1.0, 1, 0), 0) == 0:
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
     else:
         g = tl.load(g_ptr).to(tl.float32)
-        skip = g == 1.0
-    if not skip:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
+        if g != 1.0:
+            for b in range(first, n_blocks, step):
+                offs = b * BLOCK + cols
+                mask = offs < numel
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -396,6 +745,17 @@ class CEConfig:
     8192 x 151936 it is slower than the two-read default (2.95 vs 1.66 ms, docs/losses.md), so
     only the CPU interpreter's one-chunk rows use it by default.
     ``evict``: L2 hints, keep the logits (evict_last) and stream the gradient (evict_first).
+
+    ``lean``: the lean kernel (`_ce_lean_kernel`, fewer instructions per element) for calls
+    without class weights or predicted tokens; ``queue`` picks its task-queue schedule (any
+    device), else its programs spin as ``spin`` does (GPU only: on the interpreter a lean
+    config falls back to the queue when a row has several chunks). ``ticket``: take tasks in
+    the order programs start (a global counter) rather than by program id. ``lag``: rows
+    between a chunk's reduce task and its write task (queue). ``reverse``: the gradient pass
+    visits a chunk's blocks last-read first. ``pair`` (queue): each program does a reduce task
+    and then the write task of the same chunk ``lag`` rows back (half the programs and
+    tickets). ``maxnreg``: cap the lean kernel's registers per
+    thread (GPU), so more programs fit an SM (32 lets 16 programs of 4 warps share one).
     """
 
     chunk: int
@@ -404,21 +764,73 @@ class CEConfig:
     spin: bool = False
     evict: bool = False
     one_pass: bool = False
+    lean: bool = False
+    queue: bool = False
+    ticket: bool = True
+    lag: int = 4
+    reverse: bool = False
+    maxnreg: int | None = None
+    pair: bool = False
 
     def __post_init__(self):
         if self.one_pass and self.chunk != self.block:
             raise ValueError(f"one_pass needs chunk == block, got {self.chunk} and {self.block}")
         if self.chunk % self.block:
             raise ValueError(f"chunk ({self.chunk}) must be a multiple of block ({self.block})")
+        if self.lag < 1:
+            # A write task of the same step as its row's reduce tasks could run first on the
+            # interpreter, which runs programs in order, and wait forever.
+            raise ValueError(f"lag must be at least 1, got {self.lag}")
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+CONFIG_ENV = "KERNELS_CE_CONFIG"
+
+
+@functools.lru_cache(maxsize=16)
+def parse_config(spec: str) -> CEConfig:
+    """A `CEConfig` from "field=value,..." (a bare field name means True), e.g.
+    ``"chunk=8192,block=2048,num_warps=4,lean,queue,maxnreg=32"``; ValueError on a bad spec."""
+    fields = {f.name: f for f in dataclasses.fields(CEConfig)}
+    kwargs: dict = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in fields:
+            raise ValueError(
+                f"{CONFIG_ENV}={spec!r}: unknown field {key!r}; use field=value pairs of "
+                f"{', '.join(fields)}"
+            )
+        if not value:
+            kwargs[key] = True
+        elif value.strip().lower() in ("true", "false"):
+            kwargs[key] = value.strip().lower() == "true"
+        else:
+            try:
+                kwargs[key] = int(value)
+            except ValueError:
+                raise ValueError(
+                    f"{CONFIG_ENV}={spec!r}: {key}={value!r} is not an integer or true/false"
+                ) from None
+    missing = [k for k in ("chunk", "block", "num_warps") if k not in kwargs]
+    if missing:
+        raise ValueError(f"{CONFIG_ENV}={spec!r}: give {', '.join(missing)} as well")
+    try:
+        return CEConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{CONFIG_ENV}={spec!r}: {exc}") from None
+
+
 def default_config(vocab: int, device: torch.device) -> CEConfig:
     """Launch shape for a vocabulary size (the fastest of a sweep on an H200, bf16 151936-wide
-    rows: 1.66 ms for 8192 rows; docs/losses.md)."""
+    rows: 1.66 ms for 8192 rows; docs/losses.md), or the one the environment variable
+    KERNELS_CE_CONFIG spells (see `parse_config`: how the variants are tried without code)."""
+    spec = os.environ.get(CONFIG_ENV)
+    if spec:
+        return parse_config(spec)
     if device.type != "cuda":
         # The interpreter: a row that fits one block takes the one-pass path; a wider row is
         # split over programs of two blocks each, and the last one to finish writes the row.
@@ -446,9 +858,12 @@ def ce_rows(
     weight: torch.Tensor | None = None,
     z_scale: torch.Tensor | None = None,
     pred: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and log-sum-exp (fp32) of [N, V] logits; when `grad` is given, write
     ``grad_scale * row_scale[row] * dloss/dlogits`` into it (``grad`` may be ``logits`` itself).
+    With `out` (two contiguous fp32 [N] tensors, e.g. slices of a caller's buffers) the loss and
+    log-sum-exp are written there and returned, instead of into new tensors.
 
     `grad_scale` is a one-element fp32 device tensor, so a mean's 1/count needs no host sync.
     With class weights `weight` ([V] fp32, contiguous) the loss is torch's weighted one plus the
@@ -456,12 +871,18 @@ def ce_rows(
     With `pred` ([N] int64) each row's argmax (first of ties; -1 for ignored rows) is stored.
     """
     n, vocab = logits.shape
-    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if out is None:
+        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    else:
+        loss, lse = out
+        for t in out:
+            if t.shape != (n,) or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"out must be two contiguous fp32 ({n},) tensors, got {t.shape}")
     if n == 0:
         return loss, lse
     if not use_triton(logits):
-        return _torch_ce_rows(
+        computed = _torch_ce_rows(
             logits,
             target,
             grad,
@@ -475,7 +896,18 @@ def ce_rows(
             z_scale,
             pred,
         )
+        if out is None:
+            return computed
+        loss.copy_(computed[0])
+        lse.copy_(computed[1])
+        return loss, lse
     cfg = config or default_config(vocab, logits.device)
+    # The lean kernel addresses the gradient with the logits' row stride.
+    same_rows = grad is None or grad.stride(0) == logits.stride(0)
+    if cfg.lean and weight is None and pred is None and same_rows:
+        _lean_rows(logits, target, grad, grad_scale, row_scale, loss, lse, cfg,
+                   ignore_index, label_smoothing, lse_square_scale, softcap)  # fmt: skip
+        return loss, lse
     num_chunks = cdiv(vocab, cfg.chunk)
     # Spin only to write a gradient, and never on the interpreter (programs run one by one).
     spin = cfg.spin and num_chunks > 1 and logits.is_cuda and grad is not None
@@ -525,6 +957,68 @@ def ce_rows(
         num_warps=cfg.num_warps,
     )
     return loss, lse
+
+
+def _lean_rows(
+    logits, target, grad, grad_scale, row_scale, loss, lse, cfg: CEConfig, ignore_index,
+    smoothing, lse_sq, softcap,
+):  # fmt: skip
+    """`ce_rows` through `_ce_lean_kernel` (see the comment above it)."""
+    n, vocab = logits.shape
+    out = logits if grad is None else grad
+    stride = logits.stride(0)
+    vec = max(1, 16 // logits.element_size())  # elements per 16-byte access
+    # A row start that is not 16-byte aligned: read from the aligned address below it.
+    align = stride % 16 != 0
+    num_chunks = cdiv(vocab + (vec - 1 if align else 0), cfg.chunk)
+    kw = min(32 * vec, cfg.block)  # one warp's 16-byte accesses per tile row
+    queue = cfg.queue or (num_chunks > 1 and not logits.is_cuda)
+    stats = counts = loss  # placeholders, never read with one chunk and no queue
+    if num_chunks > 1 or queue:
+        stats = torch.empty(n * num_chunks * 4, dtype=torch.float32, device=logits.device)
+    if num_chunks > 1 or queue or cfg.ticket:
+        counts = torch.zeros(n + 1, dtype=torch.int32, device=logits.device)
+    tasks = n * num_chunks
+    if queue:
+        tasks = (n + cfg.lag) * num_chunks * (1 if cfg.pair else 2)
+    _ce_lean_kernel[(tasks,)](
+        logits,
+        out,
+        stride,
+        target,
+        loss,
+        lse,
+        stats,
+        counts,
+        grad_scale,
+        grad_scale if row_scale is None else row_scale,
+        n,
+        vocab,
+        ignore_index,
+        float(smoothing),
+        float(lse_sq),
+        float(softcap) if softcap else 1.0,
+        CHUNK=cfg.chunk,
+        NUM_CHUNKS=num_chunks,
+        NC_POW2=max(2, _next_pow2(num_chunks)),
+        R=cfg.block // kw,
+        KW=kw,
+        HAS_SOFTCAP=bool(softcap),
+        HAS_SMOOTHING=smoothing != 0.0,
+        WRITE_GRAD=grad is not None,
+        HAS_ROW_SCALE=row_scale is not None,
+        QUEUE=queue,
+        PAIR=cfg.pair,
+        TICKET=cfg.ticket,
+        LAG=cfg.lag,
+        ALIGN=align,
+        VEC=vec,
+        REVERSE=cfg.reverse,
+        LOAD_POLICY="evict_last" if cfg.evict else "",
+        STORE_POLICY="evict_first" if cfg.evict else "",
+        num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and logits.is_cuda else {}),
+    )
 
 
 def _torch_ce_rows(
@@ -597,11 +1091,13 @@ def scale_rows_(grad: torch.Tensor, g: torch.Tensor) -> None:
         return
     assert grad.is_contiguous()
     block = 8192 if grad.is_cuda else 1 << 16
-    _scale_kernel[(cdiv(grad.numel(), block),)](
+    n_blocks = cdiv(grad.numel(), block)
+    _scale_kernel[(min(n_blocks, 8 * sm_count(grad.device)),)](
         grad,
         grad.numel(),
         grad.numel() // grad.shape[0],
         g,
+        n_blocks,
         PER_ROW=per_row,
         BLOCK=block,
         num_warps=8,

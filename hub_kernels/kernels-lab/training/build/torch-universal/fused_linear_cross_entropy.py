@@ -97,6 +97,9 @@ def _chunked(
     want_z, want_acc, want_pred = opts.want
     keep_lse = want_z or opts.token_scaling or opts.class_weight is not None
     lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device) if keep_lse else None
+    # The kernel writes each chunk's loss (and log-sum-exp) straight into these: no per-chunk
+    # buffers and no copies.
+    lse_buf = lse_all if keep_lse else torch.empty(len(buf), dtype=torch.float32, device=buf.device)
     pred = None
     if want_acc or want_pred:
         pred = torch.empty(n, dtype=torch.int64, device=hidden.device)
@@ -118,7 +121,8 @@ def _chunked(
             zy = logits.gather(1, torch.where(keep, t, 0)[:, None])[:, 0].float()
             if opts.softcap:
                 zy = opts.softcap * torch.tanh(zy / opts.softcap)
-        loss[r0:r1], lse = ce_rows(
+        lse = lse_buf[r0:r1] if keep_lse else lse_buf[: r1 - r0]
+        ce_rows(
             logits,
             t,
             logits if write_grad else None,
@@ -131,9 +135,8 @@ def _chunked(
             weight=opts.class_weight,
             z_scale=zscale,
             pred=None if pred is None else pred[r0:r1],
+            out=(loss[r0:r1], lse),
         )
-        if lse_all is not None:
-            lse_all[r0:r1] = lse
         if opts.token_scaling:
             # Liger's token scaling: each row's loss and gradient times its target's softmax
             # probability, held constant (no gradient through it); one more pass over the chunk.
