@@ -62,6 +62,9 @@ _SHRINK = {
     "sliding_window": 8,
     "num_nextn_predict_layers": 0,
     "rotary_dim": 8,
+    # Gemma 4's per-layer input embeddings (a second vocab-sized table)
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
     # multi-head latent attention: small ranks, head dims as in the real models' ratios
     "q_lora_rank": 32,
     "kv_lora_rank": 32,
@@ -85,6 +88,10 @@ def tiny_config(model_type: str):
 
 
 def _shrink(config) -> None:
+    if hasattr(config, "allow_global_per_layer_attribute_access"):
+        # heterogeneous configs (Gemma 4) refuse to read per-layer sizes globally; the tiny
+        # model is shrunk uniformly, so every layer gets the same value
+        config.allow_global_per_layer_attribute_access = True
     for key, value in _SHRINK.items():
         try:
             current = getattr(config, key, None)
@@ -97,11 +104,16 @@ def _shrink(config) -> None:
         ("topk_group", 1),
         ("num_experts_per_tok", 2),
         ("head_dim", HEAD_DIM),
+        ("num_key_value_heads", 2),  # Nemotron's default is None, which its attention cannot take
     ):
         if hasattr(config, key):  # set even where the default is None (grouped MoE routing)
             setattr(config, key, value)
     if hasattr(config, "logits_scaling"):
         config.logits_scaling = 4.0  # granite's default is 1.0: a scale the sweep would not see
+    if hasattr(config, "lm_head_multiplier"):
+        config.lm_head_multiplier = 0.5  # Falcon-H1's muP scales default to 1.0 too
+    if isinstance(getattr(config, "mlp_multipliers", None), list):
+        config.mlp_multipliers = [0.7, 1.3]
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = HEADS  # latent attention expands k/v to every head
     layers = getattr(config, "num_hidden_layers", None)

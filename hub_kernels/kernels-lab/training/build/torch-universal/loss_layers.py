@@ -249,14 +249,17 @@ def logit_scale(model: nn.Module) -> float:
     """The factor a family's forward applies to ``lm_head``'s output. The loader's structure
     probe reads it from the forward and sets ``kernels_logit_ops`` on the class: (holder,
     attribute, "*" or "/") in order (Cohere multiplies by ``self.logit_scale``, Granite divides
-    by ``config.logits_scaling``, HyperCLOVA X multiplies by it). Without that attribute:
+    by ``config.logits_scaling``, HyperCLOVA X multiplies by it, Falcon-H1 by
+    ``self.model.lm_head_multiplier``). Without that attribute:
     Cohere's and Granite's conventions."""
     ops = getattr(model, "kernels_logit_ops", None)
     if ops is None:
         ops = (("model", "logit_scale", "*"), ("config", "logits_scaling", "/"))
     scale = 1.0
     for holder, attr, op in ops:
-        value = getattr(model if holder == "model" else model.config, attr, None)
+        value = model if holder == "model" else model.config
+        for part in attr.split("."):  # a dotted path: Falcon-H1's model.lm_head_multiplier
+            value = getattr(value, part, None)
         if value is not None:
             scale = scale * float(value) if op == "*" else scale / float(value)
     return scale
