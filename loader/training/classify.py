@@ -274,6 +274,7 @@ _HEAD_LINE_OK = re.compile(
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
     r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(\w+\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
+    r"|\w+ = \w+ ?[*/] ?final_logit_softcapping"  # a local read from the (text) config
     r")\s*$"
 )
 
@@ -372,7 +373,20 @@ _PLAIN_CE = re.compile(
     r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
 )
 # a logit scale on the model, its config or a submodule (Falcon-H1: self.model.lm_head_multiplier)
+_SOFTCAP_LOCAL = re.compile(
+    r"\(final_logit_softcapping := self\.config(\.get_text_config\(\))?\.final_logit_softcapping\)"
+)
 _SCALE_OP = re.compile(r"([*/]) ?self\.(\w+\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b")
+
+
+def softcap_config(config: object) -> object:
+    """The config whose ``final_logit_softcapping`` the loss layers apply: the model's, or its
+    text config's when the model's has none (Gemma 4's multimodal head reads it there)."""
+    if config is not None and not hasattr(config, "final_logit_softcapping"):
+        getter = getattr(config, "get_text_config", None)
+        if callable(getter):
+            return getter()
+    return config
 
 
 def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tuple[str, tuple]:
@@ -398,8 +412,10 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
             return f"post-processes its logits with `{line.strip()}`", ()
     body = "\n".join(lines[start:end])
     config = getattr(model, "config", None)
+    if re.search(r"[*/] ?final_logit_softcapping", body) and not _SOFTCAP_LOCAL.search(body):
+        return "scales its logits by a final_logit_softcapping not read from its config", ()
     for attr, holder in (
-        ("final_logit_softcapping", config),
+        ("final_logit_softcapping", softcap_config(config)),
         ("logits_scaling", config),
         ("logit_scale", model),
     ):

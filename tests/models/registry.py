@@ -164,8 +164,12 @@ def build(model_type: str, seed: int = 0, overrides: dict | None = None):
     for key, value in (overrides or {}).items():
         if key == "rope_parameters":
             config.rope_parameters = {**(config.rope_parameters or {}), **value}
-        else:
-            setattr(config, key, value)
+        else:  # "text_config.x" sets x on the nested config
+            *path, name = key.split(".")
+            holder = config
+            for part in path:
+                holder = getattr(holder, part)
+            setattr(holder, name, value)
     cls = causal_lm_class(model_type)
     text = getattr(config, "text_config", None)
     if not isinstance(config, cls.config_class) and isinstance(text, cls.config_class):
@@ -185,6 +189,11 @@ class Outcome:
     grad_diff: float = float("nan")
     reason: str = ""
     seconds: float = 0.0
+    # module class (or rotary function) name -> the layer bound to it
+    classes: dict[str, str] = field(default_factory=dict)
+    # module class (or rotary function) name -> why nothing is bound to it; every module class
+    # of the model is a key of one of the two
+    unbound_classes: dict[str, str] = field(default_factory=dict)
 
 
 def _rel(a: float, b: float) -> float:
@@ -254,6 +263,17 @@ def run_one(
             model_type, "error", reason=first_line(exc), seconds=time.perf_counter() - start
         )
     bound = sorted({f"{e.layer_name}" for e in report if e.status == "bound"})
+    classes: dict[str, str] = {}
+    why: dict[str, str] = {}
+    for e in report:
+        name = _bound_name(ours, e.path)
+        if e.status == "bound":
+            classes[name] = e.layer_name
+        else:
+            why.setdefault(name, e.reason)
+    for module in ours.modules():
+        why.setdefault(type(module).__name__, "no training-kernel layer serves this kind of module")
+    why = {name: reason for name, reason in why.items() if name not in classes}
     unbound = sorted({f"{e.layer_name}: {e.reason}" for e in report if e.status != "bound"})
     loss_diff = max(_rel(a[0], b[0]) for a, b in zip(got, ref, strict=True))
     grad_diff = max(_rel(a[1], b[1]) for a, b in zip(got, ref, strict=True))
@@ -267,4 +287,17 @@ def run_one(
         loss_diff,
         grad_diff,
         seconds=time.perf_counter() - start,
+        classes=classes,
+        unbound_classes=why,
     )
+
+
+def _bound_name(model, path: str) -> str:
+    """The class name of the module at ``path``; for a function bound through its calling
+    module (``owner.layer``), the function's name (``apply_rotary_pos_emb``)."""
+    try:
+        return type(model.get_submodule(path)).__name__
+    except AttributeError:
+        owner_path, _, key = path.rpartition(".")
+        func = model.get_submodule(owner_path).__dict__.get("_kernel_funcs", {}).get(key)
+        return getattr(func, "__wrapped__", func).__name__ if func is not None else key

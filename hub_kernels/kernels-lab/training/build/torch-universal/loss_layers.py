@@ -245,6 +245,15 @@ def _cache_arg(model_cls: type) -> str:
     return name
 
 
+def logit_softcap(model: nn.Module) -> float | None:
+    """The family's ``final_logit_softcapping``: on its config, or on its text config when the
+    config has no such attribute (Gemma 4's multimodal head reads it there)."""
+    config = model.config
+    if not hasattr(config, "final_logit_softcapping") and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return getattr(config, "final_logit_softcapping", None)
+
+
 def logit_scale(model: nn.Module) -> float:
     """The factor a family's forward applies to ``lm_head``'s output. The loader's structure
     probe reads it from the forward and sets ``kernels_logit_ops`` on the class: (holder,
@@ -383,7 +392,7 @@ def causal_lm_forward(
         **kwargs,
     )
     hidden = keep_positions(outputs.last_hidden_state, logits_to_keep)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    softcap = logit_softcap(model)
     scale = logit_scale(model)
     loss = logits = None
     if labels is None:
@@ -477,7 +486,7 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
             False  # a cache nobody asked for, in a step that will not decode
         )
     out, hidden = _run_without_logits(model, bound)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    softcap = logit_softcap(model)
     scale = logit_scale(model)
     head = output_head(model)
     if not getattr(model, "kernels_shift_labels", True):
