@@ -138,8 +138,9 @@ def table(outcomes: list, device: str, dtype_name: str) -> str:
         "",
         f"- {len(outcomes)} model types; {len(built)} build and train here; "
         f"{len(good)} of those ({pct:.0f} %) bind their norms and their loss head and match.",
-        f"- Liger 0.8.5's causal-LM types: {len(liger_good)} of {len(liger_built)} that build here match "
-        f"({', '.join(sorted(o.model_type for o in liger_built if o.status != 'match')) or 'no exceptions'}).",
+        f"- Liger {LIGER_VERSION}'s causal-LM types: {len(liger_good)} of {len(liger_built)} that build here match "
+        f"({', '.join(sorted(o.model_type for o in liger_built if o.status != 'match')) or 'no exceptions'}); "
+        "what each binds next to what Liger patches: [models-liger.md](models-liger.md).",
         "",
         "| model type | status | bound | not bound (why) | loss rel diff | grad-norm rel diff |",
         "|---|---|---|---|---|---|",

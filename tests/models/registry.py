@@ -266,7 +266,7 @@ def run_one(
     classes: dict[str, str] = {}
     why: dict[str, str] = {}
     for e in report:
-        name = _bound_name(ours, e.path)
+        name = bound_name(ours, e.path)
         if e.status == "bound":
             classes[name] = e.layer_name
         else:
@@ -292,7 +292,7 @@ def run_one(
     )
 
 
-def _bound_name(model, path: str) -> str:
+def bound_name(model, path: str) -> str:
     """The class name of the module at ``path``; for a function bound through its calling
     module (``owner.layer``), the function's name (``apply_rotary_pos_emb``)."""
     try:
