@@ -272,7 +272,7 @@ _HEAD_LINE_OK = re.compile(
     r"if .*(softcap|scal).*:|else:"
     r"|\w+ = self\.\w+\(.*\)"  # the call itself
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
-    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(\w+\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier)\)?"
+    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.|model\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
     r"|\w+ = \w+ ?[*/] ?final_logit_softcapping"  # a local read from the (text) config
     r")\s*$"
@@ -376,7 +376,9 @@ _PLAIN_CE = re.compile(
 _SOFTCAP_LOCAL = re.compile(
     r"\(final_logit_softcapping := self\.config(\.get_text_config\(\))?\.final_logit_softcapping\)"
 )
-_SCALE_OP = re.compile(r"([*/]) ?self\.(\w+\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b")
+_SCALE_OP = re.compile(
+    r"([*/]) ?self\.(config\.|model\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b"
+)
 
 
 def softcap_config(config: object) -> object:
