@@ -372,10 +372,11 @@ _PLAIN_CE = re.compile(
     r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
     r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
 )
-# a logit scale on the model, its config or a submodule (Falcon-H1: self.model.lm_head_multiplier)
+# Gemma 4's multimodal head binds the soft-cap to a local, read from its (text) config
 _SOFTCAP_LOCAL = re.compile(
     r"\(final_logit_softcapping := self\.config(\.get_text_config\(\))?\.final_logit_softcapping\)"
 )
+# a logit scale on the model, its config or its decoder (Falcon-H1: self.model.lm_head_multiplier)
 _SCALE_OP = re.compile(
     r"([*/]) ?self\.(config\.|model\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b"
 )

@@ -63,7 +63,7 @@ CLOSED_GAPS = {
 def test_closed_gaps_bind_and_match(mirror, model_type):
     overrides, layers = CLOSED_GAPS[model_type]
     outcome = run_one(model_type, overrides=overrides)
-    assert outcome.status == "match", outcome
+    assert outcome.status == "match", (outcome.loss_diff, outcome.grad_diff, outcome.reason)
     for name, layer in layers.items():
         assert outcome.classes.get(name) == layer, (name, outcome.classes, outcome.unbound)
     if model_type in LIGER_PATCHES:
