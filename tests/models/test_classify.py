@@ -263,3 +263,52 @@ def test_an_mlp_with_multipliers_is_probed_with_multipliers_off_one():
     after = _verdicts(nn.Sequential(ScaledMLP(after_act=True)))["ScaledMLP"]
     assert after.layer is None
     assert after.reason == "does not compute down(act(gate(x) * g) * up(x)) * d"
+
+
+class _Decoder(nn.Module):
+    def __init__(self, multiplier):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.lm_head_multiplier = multiplier
+
+    def forward(self, input_ids):
+        return self.embed(input_ids)
+
+
+class MultipliedHeadForCausalLM(nn.Module):
+    """Falcon-H1's head: the logits times a multiplier held by the decoder."""
+
+    def __init__(self, multiplier):
+        super().__init__()
+        self.model, self.lm_head = _Decoder(multiplier), nn.Linear(4, 8, bias=False)
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        hidden_states = self.model(input_ids)
+        logits = self.lm_head(hidden_states) * self.model.lm_head_multiplier
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=8, **kwargs)
+        return loss, logits
+
+
+def test_a_logit_multiplier_on_the_decoder_is_read_from_the_forward():
+    verdict = _verdicts(MultipliedHeadForCausalLM(0.25))["MultipliedHeadForCausalLM"]
+    assert verdict.layer == "ForCausalLM"
+    ops = dict(verdict.attributes)["kernels_logit_ops"]
+    assert ops == (("model", "model.lm_head_multiplier", "*"),)
+    # a tensor multiplier (a learned scale) is not a constant the fused loss can fold in
+    learned = MultipliedHeadForCausalLM(nn.Parameter(torch.tensor(0.25)))
+    verdict = _verdicts(learned)["MultipliedHeadForCausalLM"]
+    assert verdict.layer is None
+    assert verdict.reason == "its model.lm_head_multiplier is a Parameter, not a number"

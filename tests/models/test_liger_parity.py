@@ -82,7 +82,7 @@ def test_nemotron_builds_and_says_why_its_activation_stays(mirror):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SWEEP, reason="every Liger type: set KERNELS_SWEEP=1 (~3 min)")
+@pytest.mark.skipif(not SWEEP, reason="every Liger type: set KERNELS_SWEEP=1 (~1 min)")
 @pytest.mark.parametrize("model_type", sorted(LIGER_PATCHES))
 def test_every_liger_type_binds_what_liger_patches(mirror, model_type):
     outcome = run_one(model_type)
