@@ -53,7 +53,7 @@ CLOSED_GAPS = {
     "deepseek_v2": ({}, {"apply_rotary_emb": "complex_rotary_emb_bhtd"}),
     # the multimodal head soft-caps with its text config's final_logit_softcapping
     "gemma4": (
-        {"text_config.final_logit_softcapping": 3.0},
+        {"text_config.final_logit_softcapping": 10.0},
         {"Gemma4ForConditionalGeneration": "CausalLMHead", "Gemma4TextMLP": "GeGLUMLP"},
     ),
 }  # fmt: skip
