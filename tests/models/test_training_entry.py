@@ -156,3 +156,17 @@ def test_llama4_experts_with_their_own_forward_stay_unbound_and_the_rest_binds(m
     batches = [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(2)]
     for a, b in zip(train_steps(ours, batches, 2), train_steps(plain, batches, 2), strict=True):
         assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_liger_mapping_names_the_layers_liger_patches_on_falcon_h1_and_llama4():
+    """Liger's swiglu patches Falcon-H1's muP-scaled MLP and its rope Llama 4's complex
+    rotary: the Liger-style mapping names the layers that serve them."""
+    from transformers import FalconH1ForCausalLM, Llama4ForCausalLM
+
+    falcon = kernels.liger_kernel_mapping(model_class=FalconH1ForCausalLM)
+    assert falcon["ScaledSwiGLUMLP"] == f"{REPO}:ScaledSwiGLUMLP"
+    llama4 = kernels.liger_kernel_mapping({"rope": True}, model_class=Llama4ForCausalLM)
+    assert llama4["complex_rotary_emb"] == f"{REPO}:complex_rotary_emb"
+    assert "complex_rotary_emb" not in kernels.liger_kernel_mapping(
+        {"rope": False}, model_class=Llama4ForCausalLM
+    )
