@@ -62,9 +62,16 @@ def _check(config: dict) -> dict[str, bool]:
 _KIND_LAYERS = {
     "rms_norm": ("RMSNorm", "GemmaRMSNorm", "RMSNormFloatWeight", "WeightlessRMSNorm"),
     "layer_norm": ("LayerNorm",),
-    "swiglu": ("SwiGLUMLP", "FusedSwiGLUMLP"),
+    "swiglu": ("SwiGLUMLP", "FusedSwiGLUMLP", "ScaledSwiGLUMLP"),
     "geglu": ("GeGLUMLP", "FusedGeGLUMLP"),
-    "rope": ("rotary_pos_emb",),
+    "rope": (
+        "rotary_pos_emb",
+        "half_rotary_pos_emb",
+        "interleaved_rotary_pos_emb",
+        "half_interleaved_rotary_pos_emb",
+        "complex_rotary_emb",
+        "complex_rotary_emb_bhtd",
+    ),
     "fused_linear_cross_entropy": ("ForCausalLM", "MoEForCausalLM", "CausalLMHead"),
     "cross_entropy": ("ForCausalLM",),
 }

@@ -216,14 +216,20 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
     if act is None:
         return Verdict("mlp", None, "no act_fn / activation_fn module")
     name = type(act).__name__
+    scaled = probes.has_multipliers(module)
     if name in probes.SILU_NAMES:
         layer = "FusedSwiGLUMLP" if fused else "SwiGLUMLP"
     elif name in probes.GELU_NAMES and name != "QuickGELUActivation":
         layer = "FusedGeGLUMLP" if fused else "GeGLUMLP"
     else:
         return Verdict("mlp", None, f"activation {name} has no fused gated kernel (SiLU, GELU)")
-    if not probes.one_tensor_forward(type(module)) or not probes.probe_mlp(module, fused):
-        return Verdict("mlp", None, "does not compute down(act(gate(x)) * up(x))")
+    if scaled:
+        if layer != "SwiGLUMLP":
+            return Verdict("mlp", None, f"gate/down multipliers: no scaled layer for {layer}")
+        layer = "ScaledSwiGLUMLP"  # Falcon-H1: down(silu(gate(x) * g) * up(x)) * d
+    if not probes.one_tensor_forward(type(module)) or not probes.probe_mlp(module, fused, scaled):
+        want = "down(act(gate(x) * g) * up(x)) * d" if scaled else "down(act(gate(x)) * up(x))"
+        return Verdict("mlp", None, f"does not compute {want}")
     missing = available(layer)
     return Verdict("mlp", None, missing) if missing else Verdict("mlp", layer)
 
@@ -266,8 +272,9 @@ _HEAD_LINE_OK = re.compile(
     r"if .*(softcap|scal).*:|else:"
     r"|\w+ = self\.\w+\(.*\)"  # the call itself
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
-    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.)?(final_logit_softcapping|logit_scale|logits_scaling)\)?"
+    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.|model\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
+    r"|\w+ = \w+ ?[*/] ?final_logit_softcapping"  # a local read from the (text) config
     r")\s*$"
 )
 
@@ -354,7 +361,8 @@ def _output_head_path(model: nn.Module) -> str | None:
 
 
 # The loss layers read this class attribute: how the forward scales lm_head's output, as
-# ((holder "model" | "config", attribute, "*" | "/"), ...) in the forward's order.
+# ((holder "model" | "config", attribute, "*" | "/"), ...) in the forward's order; the
+# attribute may be a dotted path from the holder ("model.lm_head_multiplier").
 LOGIT_OPS = "kernels_logit_ops"
 OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
@@ -364,7 +372,24 @@ _PLAIN_CE = re.compile(
     r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
     r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
 )
-_SCALE_OP = re.compile(r"([*/]) ?self\.(config\.)?(logit_scale|logits_scaling)\b")
+# Gemma 4's multimodal head binds the soft-cap to a local, read from its (text) config
+_SOFTCAP_LOCAL = re.compile(
+    r"\(final_logit_softcapping := self\.config(\.get_text_config\(\))?\.final_logit_softcapping\)"
+)
+# a logit scale on the model, its config or its decoder (Falcon-H1: self.model.lm_head_multiplier)
+_SCALE_OP = re.compile(
+    r"([*/]) ?self\.(config\.|model\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b"
+)
+
+
+def softcap_config(config: object) -> object:
+    """The config whose ``final_logit_softcapping`` the loss layers apply: the model's, or its
+    text config's when the model's has none (Gemma 4's multimodal head reads it there)."""
+    if config is not None and not hasattr(config, "final_logit_softcapping"):
+        getter = getattr(config, "get_text_config", None)
+        if callable(getter):
+            return getter()
+    return config
 
 
 def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tuple[str, tuple]:
@@ -390,8 +415,10 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
             return f"post-processes its logits with `{line.strip()}`", ()
     body = "\n".join(lines[start:end])
     config = getattr(model, "config", None)
+    if re.search(r"[*/] ?final_logit_softcapping", body) and not _SOFTCAP_LOCAL.search(body):
+        return "scales its logits by a final_logit_softcapping not read from its config", ()
     for attr, holder in (
-        ("final_logit_softcapping", config),
+        ("final_logit_softcapping", softcap_config(config)),
         ("logits_scaling", config),
         ("logit_scale", model),
     ):
@@ -401,9 +428,15 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
         if value not in (None, 1, 1.0) and attr not in body:
             return f"has {attr} but its forward does not apply it", ()
     ops = tuple(
-        ("config" if on_config else "model", attr, op)
-        for op, on_config, attr in _SCALE_OP.findall(body)
+        ("config", attr, op) if owner == "config." else ("model", owner + attr, op)
+        for op, owner, attr in _SCALE_OP.findall(body)
     )
+    for holder, attr, _ in ops:
+        value = config if holder == "config" else model
+        for part in attr.split("."):
+            value = getattr(value, part, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"its {attr} is a {type(value).__name__}, not a number", ()
     return "", ops
 
 
@@ -422,7 +455,8 @@ def rotary_uses(cls: type, available: Callable[[str], str | None]) -> list[Rotar
         return []
     uses = []
     for name in code.co_names:
-        if not name.startswith("apply_rotary_pos_emb"):
+        # apply_rotary_pos_emb* (cos, sin) and apply_rotary_emb (complex freqs_cis)
+        if not name.startswith("apply_rotary"):
             continue
         namespace = forward.__globals__
         fn = namespace.get(name)

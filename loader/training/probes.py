@@ -190,12 +190,27 @@ def _small_linear(weight_like: nn.Module, n_in: int, n_out: int, gen: torch.Gene
     return lin
 
 
-def probe_mlp(module: nn.Module, fused: bool) -> bool:
+MULTIPLIERS = ("gate_multiplier", "down_multiplier")
+
+
+def has_multipliers(module: nn.Module) -> bool:
+    """Whether the MLP holds numeric gate/down multipliers (Falcon-H1's muP scaling)."""
+    return all(
+        isinstance(getattr(module, n, None), (int, float))
+        and not isinstance(getattr(module, n), bool)
+        for n in MULTIPLIERS
+    )
+
+
+def probe_mlp(module: nn.Module, fused: bool, scaled: bool = False) -> bool:
     """Whether the MLP computes down(act(gate(x)) * up(x)) (separate projections) or, with
-    ``fused``, the same with gate and up the two halves of gate_up_proj(x), gate first.
+    ``fused``, the same with gate and up the two halves of gate_up_proj(x), gate first; with
+    ``scaled``, down(act(gate(x) * gate_multiplier) * up(x)) * down_multiplier.
 
     The probe is a shallow copy whose projections are small random Linears (a 70B MLP is
-    never materialised); the module's own activation is used."""
+    never materialised); the module's own activation is used. Scaled, the copy's multipliers
+    are set to values other than one, so the probe tells where each one goes whatever the
+    checkpoint's are."""
     hidden, inner = 8, 12
     gen = torch.Generator().manual_seed(2)
     probe = copy.copy(module)
@@ -211,6 +226,9 @@ def probe_mlp(module: nn.Module, fused: bool) -> bool:
         probe._modules["gate_proj"] = _small_linear(module.gate_proj, hidden, inner, gen)
         probe._modules["up_proj"] = _small_linear(module.up_proj, hidden, inner, gen)
     probe._modules["down_proj"] = _small_linear(module.down_proj, inner, hidden, gen)
+    g, d = (0.7, 1.3) if scaled else (1.0, 1.0)
+    if scaled:
+        probe.gate_multiplier, probe.down_multiplier = g, d
     act = activation_of(probe)
     x = torch.randn(2, 3, hidden, generator=gen)
     try:
@@ -220,7 +238,7 @@ def probe_mlp(module: nn.Module, fused: bool) -> bool:
                 gate, up = probe.gate_up_proj(x).chunk(2, dim=-1)
             else:
                 gate, up = probe.gate_proj(x), probe.up_proj(x)
-            want = probe.down_proj(act(gate) * up)
+            want = probe.down_proj(act(gate * g) * up) * d
     except Exception:  # noqa: BLE001 - a forward that needs more than x is not one of ours
         return False
     return _close(out if isinstance(out, torch.Tensor) else out[0], want, _FP32_RTOL)
@@ -305,14 +323,59 @@ def _formula_fits(name: str, got, q, k, cos, sin) -> bool:
     return all(_close(a, b, _FP32_RTOL) for a, b in zip(got, want, strict=False))
 
 
+def complex_reference(q, k, freqs_cis, time_dim: int = 1):
+    """Llama-4-style RoPE: each pair (2i, 2i+1) of a head is the complex number x_2i + i x_2i+1,
+    multiplied by ``freqs_cis`` [B, T, d/2] (complex; any magnitude) in fp32, cast back.
+    ``time_dim`` is where T sits in q and k: 1 for [B, T, H, D], 2 for [B, H, T, D]."""
+    freqs = freqs_cis.unsqueeze(3 - time_dim)
+
+    def one(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+
+    return one(q), one(k)
+
+
+# layer name -> where T sits in q/k for complex (freqs_cis) rotary functions of (q, k, freqs)
+COMPLEX_ROTARY_LAYOUTS = {"complex_rotary_emb": 1, "complex_rotary_emb_bhtd": 2}
+
+
+def probe_complex_rotary(fn: Callable) -> tuple[str | None, str]:
+    """(the complex-rotary layer computing what ``fn(q, k, freqs_cis)`` does, or None; the
+    reason). Tried with q/k laid out [B, T, H, D] and [B, H, T, D] (T != H, so only the layout
+    the function broadcasts over runs)."""
+    gen = torch.Generator().manual_seed(4)
+    b, t, h, d = 2, 5, 3, 16
+    freqs = torch.polar(
+        torch.rand(b, t, d // 2, generator=gen) + 0.5, torch.rand(b, t, d // 2, generator=gen) * 3
+    )
+    for layer, time_dim in COMPLEX_ROTARY_LAYOUTS.items():
+        shape = (b, t, h, d) if time_dim == 1 else (b, h, t, d)
+        q, k = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        try:
+            with torch.no_grad():
+                got = fn(q, k, freqs)
+        except Exception:  # noqa: BLE001, S112 - not this layout
+            continue
+        want = complex_reference(q, k, freqs, time_dim)
+        if isinstance(got, tuple) and all(
+            _close(a, w, _FP32_RTOL) for a, w in zip(got, want, strict=False)
+        ):
+            return layer, ""
+    return None, "takes complex freqs_cis but is not a pairwise complex rotation: no kernel layer"
+
+
 def probe_rotary(fn: Callable) -> tuple[str | None, str]:
     """(the rotary layer computing what ``fn`` does, or None; the reason when None). ``fn``
-    must have transformers' signature; it is run at full and partial rotary width (a function
-    that only takes full width is served at full width)."""
+    must have transformers' signature, or take (q, k, freqs_cis) (Llama 4, DeepSeek-V2); it is
+    run at full and partial rotary width (a function that only takes full width is served at
+    full width)."""
     try:
         names = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return None, "its signature cannot be read"
+    if len(names) == 3 and names[2] == "freqs_cis":
+        return probe_complex_rotary(fn)
     if names != ROTARY_PARAMS:
         return None, f"takes ({', '.join(names)}), not (q, k, cos, sin, unsqueeze_dim)"
     gen = torch.Generator().manual_seed(3)

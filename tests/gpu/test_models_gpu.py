@@ -38,6 +38,11 @@ TYPES = [
     "glm4",
     "mixtral",
     "gpt2",
+    # Liger parity: complex (freqs_cis) rotary with bf16 q/k and fp32 cos/sin on the kernel,
+    # Falcon-H1's muP-scaled MLP and loss head
+    "llama4_text",
+    "deepseek_v2",
+    "falcon_h1",
 ]
 
 

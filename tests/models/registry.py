@@ -62,6 +62,9 @@ _SHRINK = {
     "sliding_window": 8,
     "num_nextn_predict_layers": 0,
     "rotary_dim": 8,
+    # Gemma 4's per-layer input embeddings (a second vocab-sized table)
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
     # multi-head latent attention: small ranks, head dims as in the real models' ratios
     "q_lora_rank": 32,
     "kv_lora_rank": 32,
@@ -85,6 +88,10 @@ def tiny_config(model_type: str):
 
 
 def _shrink(config) -> None:
+    if hasattr(config, "allow_global_per_layer_attribute_access"):
+        # heterogeneous configs (Gemma 4) refuse to read per-layer sizes globally; the tiny
+        # model is shrunk uniformly, so every layer gets the same value
+        config.allow_global_per_layer_attribute_access = True
     for key, value in _SHRINK.items():
         try:
             current = getattr(config, key, None)
@@ -97,11 +104,16 @@ def _shrink(config) -> None:
         ("topk_group", 1),
         ("num_experts_per_tok", 2),
         ("head_dim", HEAD_DIM),
+        ("num_key_value_heads", 2),  # Nemotron's default is None, which its attention cannot take
     ):
         if hasattr(config, key):  # set even where the default is None (grouped MoE routing)
             setattr(config, key, value)
     if hasattr(config, "logits_scaling"):
         config.logits_scaling = 4.0  # granite's default is 1.0: a scale the sweep would not see
+    if hasattr(config, "lm_head_multiplier"):
+        config.lm_head_multiplier = 0.5  # Falcon-H1's muP scales default to 1.0 too
+    if isinstance(getattr(config, "mlp_multipliers", None), list):
+        config.mlp_multipliers = [0.7, 1.3]
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = HEADS  # latent attention expands k/v to every head
     layers = getattr(config, "num_hidden_layers", None)
@@ -152,8 +164,12 @@ def build(model_type: str, seed: int = 0, overrides: dict | None = None):
     for key, value in (overrides or {}).items():
         if key == "rope_parameters":
             config.rope_parameters = {**(config.rope_parameters or {}), **value}
-        else:
-            setattr(config, key, value)
+        else:  # "text_config.x" sets x on the nested config
+            *path, name = key.split(".")
+            holder = config
+            for part in path:
+                holder = getattr(holder, part)
+            setattr(holder, name, value)
     cls = causal_lm_class(model_type)
     text = getattr(config, "text_config", None)
     if not isinstance(config, cls.config_class) and isinstance(text, cls.config_class):
@@ -173,6 +189,11 @@ class Outcome:
     grad_diff: float = float("nan")
     reason: str = ""
     seconds: float = 0.0
+    # module class (or rotary function) name -> the layer bound to it
+    classes: dict[str, str] = field(default_factory=dict)
+    # module class (or rotary function) name -> why nothing is bound to it; every module class
+    # of the model is a key of one of the two
+    unbound_classes: dict[str, str] = field(default_factory=dict)
 
 
 def _rel(a: float, b: float) -> float:
@@ -242,6 +263,17 @@ def run_one(
             model_type, "error", reason=first_line(exc), seconds=time.perf_counter() - start
         )
     bound = sorted({f"{e.layer_name}" for e in report if e.status == "bound"})
+    classes: dict[str, str] = {}
+    why: dict[str, str] = {}
+    for e in report:
+        name = bound_name(ours, e.path)
+        if e.status == "bound":
+            classes[name] = e.layer_name
+        else:
+            why.setdefault(name, e.reason)
+    for module in ours.modules():
+        why.setdefault(type(module).__name__, "no training-kernel layer serves this kind of module")
+    why = {name: reason for name, reason in why.items() if name not in classes}
     unbound = sorted({f"{e.layer_name}: {e.reason}" for e in report if e.status != "bound"})
     loss_diff = max(_rel(a[0], b[0]) for a, b in zip(got, ref, strict=True))
     grad_diff = max(_rel(a[1], b[1]) for a, b in zip(got, ref, strict=True))
@@ -255,4 +287,17 @@ def run_one(
         loss_diff,
         grad_diff,
         seconds=time.perf_counter() - start,
+        classes=classes,
+        unbound_classes=why,
     )
+
+
+def bound_name(model, path: str) -> str:
+    """The class name of the module at ``path``; for a function bound through its calling
+    module (``owner.layer``), the function's name (``apply_rotary_pos_emb``)."""
+    try:
+        return type(model.get_submodule(path)).__name__
+    except AttributeError:
+        owner_path, _, key = path.rpartition(".")
+        func = model.get_submodule(owner_path).__dict__.get("_kernel_funcs", {}).get(key)
+        return getattr(func, "__wrapped__", func).__name__ if func is not None else key

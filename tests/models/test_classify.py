@@ -193,3 +193,122 @@ def test_experts_map_to_moe_experts_only_with_the_routed_forward():
         (verdict,) = [v for c, v in plan.classes.items() if c.__name__.endswith("Experts")]
         assert (verdict.kind, verdict.layer) == ("experts", layer), model_type
         assert bool(verdict.reason) == (layer is None)
+
+
+_COMPLEX_ROTARY = """
+import torch
+from torch import nn
+
+def _pairs(x):
+    return torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+
+def apply_rotary_emb(xq, xk, freqs_cis):  # Llama 4: [B, T, H, D]
+    f = freqs_cis[:, :, None, :]
+    return (torch.view_as_real(_pairs(xq) * f).flatten(3).type_as(xq),
+            torch.view_as_real(_pairs(xk) * f).flatten(3).type_as(xk))
+
+class TimeFirstAttention(nn.Module):
+    def forward(self, q, k, freqs):
+        return apply_rotary_emb(q, k, freqs)
+"""
+
+# DeepSeek-V2 lays q/k out [B, H, T, D]; a conjugate product rotates the other way
+_COMPLEX_VARIANTS = {
+    "HeadsFirstAttention": "f = freqs_cis.unsqueeze(1)",
+    "ConjugateAttention": "f = freqs_cis[:, :, None, :].conj()",
+}
+
+
+def test_complex_rotary_functions_are_told_apart_by_layout(family):
+    source = _COMPLEX_ROTARY
+    for owner, line in _COMPLEX_VARIANTS.items():
+        fn = f"apply_rotary_emb_{owner.lower()}"
+        source += (
+            f"\ndef {fn}(xq, xk, freqs_cis):\n    {line}\n"
+            "    return (torch.view_as_real(_pairs(xq) * f).flatten(3).type_as(xq),\n"
+            "            torch.view_as_real(_pairs(xk) * f).flatten(3).type_as(xk))\n"
+            f"\nclass {owner}(nn.Module):\n    def forward(self, q, k, freqs):\n"
+            f"        return {fn}(q, k, freqs)\n"
+        )
+    _define(family, source)
+    model = nn.Sequential(
+        family.TimeFirstAttention(), family.HeadsFirstAttention(), family.ConjugateAttention()
+    )
+    uses = {u.owner.__name__: u.verdict for u in classify(model).rotary}
+    assert uses["TimeFirstAttention"].layer == "complex_rotary_emb"
+    assert uses["HeadsFirstAttention"].layer == "complex_rotary_emb_bhtd"
+    assert uses["ConjugateAttention"].layer is None
+    assert uses["ConjugateAttention"].reason.startswith("takes complex freqs_cis but is not")
+
+
+class ScaledMLP(GatedMLP):
+    """Falcon-H1's MLP: muP multipliers on the gate's input and the output."""
+
+    def __init__(self, after_act=False):
+        super().__init__()
+        self.gate_multiplier, self.down_multiplier, self.after_act = 1.0, 1.0, after_act
+
+    def forward(self, x):
+        if self.after_act:  # the gate multiplier where the layer does not put it
+            y = self.up_proj(x) * self.act_fn(self.gate_proj(x)) * self.gate_multiplier
+        else:
+            y = self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)
+        return self.down_proj(y) * self.down_multiplier
+
+
+def test_an_mlp_with_multipliers_is_probed_with_multipliers_off_one():
+    """With multipliers of one (a default config) both placements compute the same thing; the
+    probe sets its own, so the verdict holds for any checkpoint's multipliers."""
+    assert _verdicts(nn.Sequential(ScaledMLP()))["ScaledMLP"].layer == "ScaledSwiGLUMLP"
+    after = _verdicts(nn.Sequential(ScaledMLP(after_act=True)))["ScaledMLP"]
+    assert after.layer is None
+    assert after.reason == "does not compute down(act(gate(x) * g) * up(x)) * d"
+
+
+class _Decoder(nn.Module):
+    def __init__(self, multiplier):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.lm_head_multiplier = multiplier
+
+    def forward(self, input_ids):
+        return self.embed(input_ids)
+
+
+class MultipliedHeadForCausalLM(nn.Module):
+    """Falcon-H1's head: the logits times a multiplier held by the decoder."""
+
+    def __init__(self, multiplier):
+        super().__init__()
+        self.model, self.lm_head = _Decoder(multiplier), nn.Linear(4, 8, bias=False)
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        hidden_states = self.model(input_ids)
+        logits = self.lm_head(hidden_states) * self.model.lm_head_multiplier
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=8, **kwargs)
+        return loss, logits
+
+
+def test_a_logit_multiplier_on_the_decoder_is_read_from_the_forward():
+    verdict = _verdicts(MultipliedHeadForCausalLM(0.25))["MultipliedHeadForCausalLM"]
+    assert verdict.layer == "ForCausalLM"
+    ops = dict(verdict.attributes)["kernels_logit_ops"]
+    assert ops == (("model", "model.lm_head_multiplier", "*"),)
+    # a tensor multiplier (a learned scale) is not a constant the fused loss can fold in
+    learned = MultipliedHeadForCausalLM(nn.Parameter(torch.tensor(0.25)))
+    verdict = _verdicts(learned)["MultipliedHeadForCausalLM"]
+    assert verdict.layer is None
+    assert verdict.reason == "its model.lm_head_multiplier is a Parameter, not a number"

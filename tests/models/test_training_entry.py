@@ -10,7 +10,7 @@ import kernels
 import pytest
 import torch
 
-from .registry import VOCAB, build, train_steps
+from .registry import VOCAB, bound_name, build, train_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = "kernels-lab/training"
@@ -147,11 +147,26 @@ def test_llama4_experts_with_their_own_forward_stay_unbound_and_the_rest_binds(m
     plain, ours = build("llama4_text"), build("llama4_text")
     ours.load_state_dict(plain.state_dict())
     report = kernels.apply_training_kernels(ours)
-    experts = [e for e in report if type(ours.get_submodule(e.path)).__name__.endswith("Experts")]
+    experts = [e for e in report if bound_name(ours, e.path).endswith("Experts")]
     assert experts and all(e.status == "original" for e in experts)
     assert "top_k_index" in experts[0].reason
-    assert {"RMSNorm", "SwiGLUMLP"} <= {e.layer_name for e in report if e.status == "bound"}
+    bound = {e.layer_name for e in report if e.status == "bound"}
+    assert {"RMSNorm", "SwiGLUMLP", "complex_rotary_emb"} <= bound
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(2)]
     for a, b in zip(train_steps(ours, batches, 2), train_steps(plain, batches, 2), strict=True):
         assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_liger_mapping_names_the_layers_liger_patches_on_falcon_h1_and_llama4():
+    """Liger's swiglu patches Falcon-H1's muP-scaled MLP and its rope Llama 4's complex
+    rotary: the Liger-style mapping names the layers that serve them."""
+    from transformers import FalconH1ForCausalLM, Llama4ForCausalLM
+
+    falcon = kernels.liger_kernel_mapping(model_class=FalconH1ForCausalLM)
+    assert falcon["ScaledSwiGLUMLP"] == f"{REPO}:ScaledSwiGLUMLP"
+    llama4 = kernels.liger_kernel_mapping({"rope": True}, model_class=Llama4ForCausalLM)
+    assert llama4["complex_rotary_emb"] == f"{REPO}:complex_rotary_emb"
+    assert "complex_rotary_emb" not in kernels.liger_kernel_mapping(
+        {"rope": False}, model_class=Llama4ForCausalLM
+    )

@@ -345,3 +345,47 @@ from .loss_layers import (  # noqa: E402, F401
 
 # Mixture-of-experts experts with fused 3-D weights (moe.py).
 from .moe import MoEExperts  # noqa: E402, F401
+
+
+class complex_rotary_emb(nn.Module):  # noqa: N801 - a function's layer
+    """Llama 4's apply_rotary_emb(xq, xk, freqs_cis): q and k [B, T, H, D], each pair
+    (2i, 2i+1) a complex number multiplied by freqs_cis [B, T, D/2] (complex). That product is
+    the interleaved rotation with cos = freqs_cis.real and sin = freqs_cis.imag (any magnitude:
+    the rotary embedding's attention scaling is folded in). The fp32 cos/sin make the kernel
+    compute in fp32 and round once to q's dtype, as the family's forward does."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self, xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = apply_interleaved_rotary_pos_emb(xq, xk, freqs_cis.real, freqs_cis.imag, 2)
+        return q.type_as(xq), k.type_as(xk)  # the torch fallback promotes to fp32
+
+
+class complex_rotary_emb_bhtd(nn.Module):  # noqa: N801 - a function's layer
+    """DeepSeek-V2's apply_rotary_emb(xq, xk, freqs_cis): complex_rotary_emb with q and k
+    laid out [B, H, T, D] (freqs_cis broadcast over the heads at dim 1)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self, xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs_cis = freqs_cis.to(xq.device)
+        q, k = apply_interleaved_rotary_pos_emb(xq, xk, freqs_cis.real, freqs_cis.imag, 1)
+        return q.type_as(xq), k.type_as(xk)
+
+
+class ScaledSwiGLUMLP(nn.Module):
+    """Falcon-H1's MLP: down(silu(gate(x) * gate_multiplier) * up(x)) * down_multiplier, the
+    gated product fused; the multipliers are read from the module (muP scaling)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x) * self.gate_multiplier
+        return self.down_proj(silu_mul(gate, self.up_proj(x))) * self.down_multiplier

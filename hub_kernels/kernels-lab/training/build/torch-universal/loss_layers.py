@@ -245,18 +245,30 @@ def _cache_arg(model_cls: type) -> str:
     return name
 
 
+def logit_softcap(model: nn.Module) -> float | None:
+    """The family's ``final_logit_softcapping``: on its config, or on its text config when the
+    config has no such attribute (Gemma 4's multimodal head reads it there)."""
+    config = model.config
+    if not hasattr(config, "final_logit_softcapping") and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return getattr(config, "final_logit_softcapping", None)
+
+
 def logit_scale(model: nn.Module) -> float:
     """The factor a family's forward applies to ``lm_head``'s output. The loader's structure
     probe reads it from the forward and sets ``kernels_logit_ops`` on the class: (holder,
     attribute, "*" or "/") in order (Cohere multiplies by ``self.logit_scale``, Granite divides
-    by ``config.logits_scaling``, HyperCLOVA X multiplies by it). Without that attribute:
+    by ``config.logits_scaling``, HyperCLOVA X multiplies by it, Falcon-H1 by
+    ``self.model.lm_head_multiplier``). Without that attribute:
     Cohere's and Granite's conventions."""
     ops = getattr(model, "kernels_logit_ops", None)
     if ops is None:
         ops = (("model", "logit_scale", "*"), ("config", "logits_scaling", "/"))
     scale = 1.0
     for holder, attr, op in ops:
-        value = getattr(model if holder == "model" else model.config, attr, None)
+        value = model if holder == "model" else model.config
+        for part in attr.split("."):  # a dotted path: Falcon-H1's model.lm_head_multiplier
+            value = getattr(value, part, None)
         if value is not None:
             scale = scale * float(value) if op == "*" else scale / float(value)
     return scale
@@ -380,7 +392,7 @@ def causal_lm_forward(
         **kwargs,
     )
     hidden = keep_positions(outputs.last_hidden_state, logits_to_keep)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    softcap = logit_softcap(model)
     scale = logit_scale(model)
     loss = logits = None
     if labels is None:
@@ -474,7 +486,7 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
             False  # a cache nobody asked for, in a step that will not decode
         )
     out, hidden = _run_without_logits(model, bound)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    softcap = logit_softcap(model)
     scale = logit_scale(model)
     head = output_head(model)
     if not getattr(model, "kernels_shift_labels", True):
