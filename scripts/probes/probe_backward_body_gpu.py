@@ -118,7 +118,9 @@ def main():
         "rms_norm 4096x1024": lambda: torch.autograd.grad(kt.rms_norm(x, w, 1e-6), (x, w), g),
         "silu_mul 4096x3072": lambda: torch.autograd.grad(kt.silu_mul(a, c), (a, c), ga),
     }
-    print("| case | host us/call threads | body us threads | host us/call 1 thread | body us 1 thread |")
+    print(
+        "| case | host us/call threads | body us threads | host us/call 1 thread | body us 1 thread |"
+    )
     for name, fb in cases.items():
         cells = []
         for threads in (True, False):

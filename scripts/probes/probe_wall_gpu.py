@@ -112,7 +112,11 @@ def main():
         x = torch.randn(m, n, device="cuda", dtype=DT, requires_grad=True)
         w = torch.randn(n, device="cuda", dtype=DT).requires_grad_()
         g = (torch.randn(m, n, device="cuda", dtype=DT),)
-        cases[f"F.rms_norm {m}x{n}"] = (lambda x=x, w=w, n=n: F.rms_norm(x, (n,), w, 1e-6), [x, w], g)
+        cases[f"F.rms_norm {m}x{n}"] = (
+            lambda x=x, w=w, n=n: F.rms_norm(x, (n,), w, 1e-6),
+            [x, w],
+            g,
+        )
         cases[f"ours rms_norm {m}x{n}"] = (lambda x=x, w=w: kt.rms_norm(x, w, 1e-6), [x, w], g)
     b, hq, hk, t, d = 8, 32, 8, 2048, 128
     q = torch.randn(b, t, hq, d, device="cuda", dtype=DT).transpose(1, 2).requires_grad_()
