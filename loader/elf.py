@@ -35,7 +35,7 @@ _MAX_ENTRIES = 1 << 16  # bounds every walk, so a cycle in a damaged table canno
 
 # Version nodes that name a glibc feature instead of a release; the release that added it.
 _GLIBC_MARKERS = {"GLIBC_ABI_DT_RELR": (2, 36)}
-_VERSION_NAME = re.compile(r"^(GLIBC|GLIBCXX|CXXABI)_([0-9]+(?:\.[0-9]+)*)$")
+_VERSION_NAME = re.compile(r"^(GLIBC|GLIBCXX|CXXABI)_([0-9]+(?:\.[0-9]+)*)\Z")
 
 
 @dataclass(frozen=True)

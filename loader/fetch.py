@@ -34,9 +34,9 @@ from .spec import validate_repo_id
 
 MAX_FILE_SIZE = 16 << 30
 MAX_FILES_PER_VARIANT = 10_000
-_HEX40 = re.compile(r"^[0-9a-f]{40}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+_HEX40 = re.compile(r"^[0-9a-f]{40}\Z")
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+_VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
 
 
 def valid_install_key(repo_id: str, commit: str, variant: str) -> bool:

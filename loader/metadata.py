@@ -18,9 +18,9 @@ from .errors import InvalidMetadata
 if TYPE_CHECKING:
     from .metadata_extras import KernelDependency, Provenance
 
-_NAME = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")
-_ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_MINVER = re.compile(r"^\d+\.\d+\.\d+$")
+_NAME = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]\Z")
+_ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_MINVER = re.compile(r"^\d+\.\d+\.\d+\Z")
 MAX_METADATA_BYTES = 1 << 20
 
 

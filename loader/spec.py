@@ -14,14 +14,14 @@ from .errors import InvalidSpec
 
 # The Hub's rules for a namespace and a repo name: letters, digits, '-', '_', '.', no leading or
 # trailing '-'/'.', no '--' or '..', at most 96 characters each.
-_NAME = re.compile(r"^(?![-.])(?!.*(--|\.\.))[A-Za-z0-9_.\-]{1,96}(?<![-.])$")
+_NAME = re.compile(r"^(?![-.])(?!.*(--|\.\.))[A-Za-z0-9_.\-]{1,96}(?<![-.])\Z")
 # Patterns kept as strings are compiled on first use (re caches them): a warm get_kernel names
 # no layer and pastes no URL, so it does not pay for them.
-_LAYER = r"^[A-Za-z_][A-Za-z0-9_]*$"
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_VERSION_BRANCH = re.compile(r"^v(0|[1-9][0-9]{0,8})$")
+_LAYER = r"^[A-Za-z_][A-Za-z0-9_]*\Z"
+_COMMIT = re.compile(r"^[0-9a-f]{40}\Z")
+_VERSION_BRANCH = re.compile(r"^v(0|[1-9][0-9]{0,8})\Z")
 # Branch and tag names the Hub accepts; git revision expressions (~ ^ : .. @{ and spaces) are not.
-_REVISION = re.compile(r"^(?!.*(\.\.|@\{|//))(?![/.-])[A-Za-z0-9._/\-]{1,255}(?<![/.])$")
+_REVISION = re.compile(r"^(?!.*(\.\.|@\{|//))(?![/.-])[A-Za-z0-9._/\-]{1,255}(?<![/.])\Z")
 # A pasted Hub (or mirror) page address: https://huggingface.co/org/repo[/tree/<rev>[/...]]
 _HUB_URL = (
     r"^(?:[a-z][a-z0-9+.-]*://)?[^/\s]+/"
