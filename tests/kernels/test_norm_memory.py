@@ -80,10 +80,11 @@ def test_without_dw_several_programs_per_sm_stay_candidates(kt):
 
 
 def test_the_family_comes_from_the_environment(kt, monkeypatch):
-    from conftest import load_variant
+    # By its package path: a bare `conftest` is whichever conftest module pytest imported first.
+    from tests.kernels.conftest import load_variant
 
     monkeypatch.setenv("KERNELS_NORM_BWD_GEOMETRIES", "v2")
-    fresh = load_variant()
+    fresh = load_variant("_kernels_training_norm_env")  # a name no other load uses
     mod = module(fresh, "rms_norm")
     assert mod.BWD_GEOMETRIES == "v2"
     assert mod.bwd_candidates(4096, 4096) == mod.bwd_candidates(4096, 4096, family="v2")
