@@ -129,3 +129,28 @@ def test_launch_hooks_take_tritons_path(common, scaled_copy):
     finally:
         remove()
     assert len(seen) == 1
+
+
+def test_a_launcher_that_refuses_the_arguments_falls_back_for_good(common):
+    """A Triton whose compiled launcher takes other arguments: the launch still happens (through
+    Triton's path) and the wrapper stops trying the direct one."""
+    import triton
+    import triton.language as tl
+
+    @common.fast_launch
+    @triton.jit
+    def double(X, Y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Y + offs, tl.load(X + offs, mask=offs < n) * 2, mask=offs < n)
+
+    x = torch.randn(300, device="cuda")
+    y = torch.zeros_like(x)
+    double[(3,)](x, y, 300, BLOCK=128)  # compiles; the plan holds the compiled kernel
+    ((key, (kernel, tail)),) = double.compiled.items()
+    # One argument too many for the compiled launcher, as a Triton with another launch signature
+    # would see it: the launcher refuses before launching.
+    double.compiled[key] = (kernel, (*tail, 0))
+    y.zero_()
+    double[(3,)](x, y, 300, BLOCK=128)
+    torch.testing.assert_close(y, 2 * x)
+    assert not double.enabled

@@ -197,6 +197,8 @@ class FastLaunch:
             tail.append(value)
         if hasattr(kernel, "result"):
             kernel = kernel.result()
+        if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+            return None  # a compiled-kernel object of another shape: Triton's path from now on
         return kernel, tuple(tail)
 
     def launch(self, grid, args: tuple, kwargs: dict):
@@ -220,8 +222,14 @@ class FastLaunch:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
-                   enter, leave, *args, *tail)  # fmt: skip
+        try:
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
+                       enter, leave, *args, *tail)  # fmt: skip
+        except TypeError:
+            # The launcher refused the arguments before launching (a Triton whose launch
+            # signature differs from the one read here): Triton's path, for good.
+            self.enabled = False
+            return self.fn[grid](*args, **kwargs)
         return kernel
 
 
