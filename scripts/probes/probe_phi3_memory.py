@@ -12,7 +12,8 @@ sequence, as 2047 is below the benchmark's 2048, so the same kind of mask is bui
   and over the backward, with the op at each peak.
 
 Setups: eager (transformers as is) and ours (kernels.apply_training_kernels from the variant
-folder, Triton kernels in the interpreter). Liger's Triton kernels do not run on the CPU; its
+folder, Triton kernels in the interpreter); candidates: ours-vcopy (sdpa gets a copy of v, see
+copy_sliced_value), ours-menorm (MemoryEfficientRMSNorm for the norms), ours-menorm-vcopy. Liger's Triton kernels do not run on the CPU; its
 column in docs/benchmarks/training-h200-2026-12-01/phi3-memory.md is from reading its source.
 
 Usage: TRITON_INTERPRET=1 python scripts/probes/probe_phi3_memory.py [--seq 64] [--json OUT]
@@ -31,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
+REPO = "kernels-lab/training"
 GPU_TOKENS = 4 * 2048  # the H200 run's batch
 
 
@@ -53,11 +55,13 @@ def build(layers: int, seq: int):
 
 def bind(model, setup: str) -> None:
     if setup.startswith("ours"):
-        os.environ["LOCAL_KERNELS"] = f"kernels-lab/training={VARIANT}"
+        os.environ["LOCAL_KERNELS"] = f"{REPO}={VARIANT}"
         import kernels
 
         kernels.apply_training_kernels(model)
-    if setup.endswith("-vcopy"):
+        if "-menorm" in setup:  # the norm that keeps its output (saved by the next linear anyway)
+            kernels.apply_kernels(model, {"RMSNorm": f"{REPO}:MemoryEfficientRMSNorm"})
+    if "-vcopy" in setup:
         copy_sliced_value()
 
 
@@ -180,23 +184,24 @@ def report(results: list[dict]) -> str:
             continue
         scale = GPU_TOKENS / r["seq"]
         lines.append(f"\n## {r['setup']}: saved per decoder layer (layers.1), scaled x{scale:g}")
-        lines.append("| module | storages (shape dtype) | MiB at 8192 tokens |")
+        lines.append("| module | storages: MiB (shape of the first view saved) | MiB |")
         lines.append("|---|---|---|")
         total = 0.0
         for mod, items in sorted(r["saved"].items()):
             if not mod.startswith("model.layers.1"):
                 continue
-            # [.., T, T] storages (a mask) grow with T², not T: reported at the CPU size
             per = 0.0
             desc = []
             for nbytes, shape, dtype in sorted(items, key=lambda i: -i[0]):
+                # a [.., T, T] storage (the mask) grows with T², not T: left at the CPU size
                 quad = len(shape) >= 2 and shape[-1] == shape[-2] == r["seq"]
-                per += nbytes * (1 if quad else scale)
-                desc.append(f"{shape} {dtype.replace('torch.', '')}{' (T²)' if quad else ''}")
+                size = nbytes * (1 if quad else scale)
+                per += size
+                kind = dtype.replace("torch.", "") + (", T², not scaled" if quad else "")
+                desc.append(f"{_mib(size)} ({shape} {kind})")
             total += per
-            lines.append(
-                f"| {mod.replace('model.layers.1.', '')} | {'; '.join(desc)} | {_mib(per)} |"
-            )
+            name = mod.replace("model.layers.1.", "")
+            lines.append(f"| {name} | {'; '.join(desc)} | {_mib(per)} |")
         lines.append(f"| **layer total** | | **{_mib(total)}** |")
     lines.append("\n## whole model (CPU sizes, MiB)")
     lines.append(
