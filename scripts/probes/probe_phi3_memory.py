@@ -241,6 +241,18 @@ def main() -> None:
             results.append(json.loads(line[len("RESULT ") :]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    import platform
+    import time
+
+    import torch
+    import transformers
+    import triton
+
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, CPU ({platform.machine()}), "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, triton "
+        f"{triton.__version__} (interpreter), Phi-3-mini widths, 2 layers, 1x{args.seq} tokens, bf16"
+    )
     print(report(results))
 
 
