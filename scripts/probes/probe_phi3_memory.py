@@ -13,7 +13,8 @@ sequence, as 2047 is below the benchmark's 2048, so the same kind of mask is bui
 
 Setups: eager (transformers as is) and ours (kernels.apply_training_kernels from the variant
 folder, Triton kernels in the interpreter); candidates: ours-vcopy (sdpa gets a copy of v, see
-copy_sliced_value), ours-menorm (MemoryEfficientRMSNorm for the norms), ours-menorm-vcopy. Liger's Triton kernels do not run on the CPU; its
+copy_sliced_value), ours-menorm (MemoryEfficientRMSNorm for the norms), ours-menorm-vcopy,
+ours-cache (transformers' KV cache left on, whose copies of k and v sdpa then saves). Liger's Triton kernels do not run on the CPU; its
 column in docs/benchmarks/training-h200-2026-12-01/phi3-memory.md is from reading its source.
 
 Usage: TRITON_INTERPRET=1 python scripts/probes/probe_phi3_memory.py [--seq 64] [--json OUT]
@@ -85,7 +86,7 @@ def _storage(t):
     return s.data_ptr(), s.nbytes()
 
 
-def saved_by_module(model, ids) -> dict:
+def saved_by_module(model, ids, **kw) -> dict:
     """{module path: {storage: [bytes, shape, dtype]}} of the tensors autograd saves; the
     module is the innermost non-Linear module running (Linear hooks would change our path)."""
     import torch
@@ -110,7 +111,7 @@ def saved_by_module(model, ids) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, labels=ids)
+        out = model(input_ids=ids, labels=ids, **kw)
     for h in handles:
         h.remove()
     by_module: dict[str, list] = defaultdict(list)
@@ -120,7 +121,7 @@ def saved_by_module(model, ids) -> dict:
     return {"saved": dict(by_module)}
 
 
-def live_and_peaks(model, ids) -> dict:
+def live_and_peaks(model, ids, **kw) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT / "tests/kernels"))
@@ -137,7 +138,7 @@ def live_and_peaks(model, ids) -> dict:
             return out
 
     with Tracked() as fwd:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, **kw).loss
         end_of_forward = fwd.live
     fwd_peak, fwd_at = fwd.peak, fwd.at
     with Tracked() as bwd:
@@ -166,9 +167,17 @@ def child(setup: str, layers: int, seq: int) -> dict:
     ids = torch.randint(
         0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1)
     )
-    saved = saved_by_module(model, ids)
+    # "-cache": ours with transformers' KV cache left on, as eager and Liger run
+    kw = {"use_cache": True} if "-cache" in setup else {}
+    saved = saved_by_module(model, ids, **kw)
     model.zero_grad(set_to_none=True)
-    return {"setup": setup, "layers": layers, "seq": seq, **saved, **live_and_peaks(model, ids)}
+    return {
+        "setup": setup,
+        "layers": layers,
+        "seq": seq,
+        **saved,
+        **live_and_peaks(model, ids, **kw),
+    }
 
 
 def _mib(b: float) -> str:

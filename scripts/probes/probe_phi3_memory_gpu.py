@@ -11,6 +11,8 @@ candidate on the real shape, all 32 layers, batch 4x2048, bf16, sdpa, AdamW (fus
   ours-chunk            + the loss head's logits budget at 64 MiB (1024 rows here, as Liger's)
   ours-vcopy-chunk      both
   ours-menorm-vcopy-chunk  + MemoryEfficientRMSNorm (the norms keep their output, not their input)
+  ours-cache            ours with transformers' KV cache left on (use_cache=True), as eager and
+                        Liger run: sdpa saves the cache's copies of k and v (two copies a layer)
   liger                 liger_kernel's _apply_liger_kernel_to_instance (defaults)
 
 Per setup (own process): peak memory of a step (max_memory_allocated, steps after the first),
@@ -35,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
 REPO = "kernels-lab/training"
-SETUPS = "ours,ours-vcopy,ours-chunk,ours-vcopy-chunk,ours-menorm-vcopy-chunk,liger"
+SETUPS = "ours,ours-vcopy,ours-cache,ours-chunk,ours-vcopy-chunk,ours-menorm-vcopy-chunk,liger"
 CHUNK_BYTES = 64 * 2**20
 
 
@@ -101,6 +103,7 @@ def child(setup: str, steps: int, batch: int, seq: int, layers: int, snapshot: s
     gen = torch.Generator().manual_seed(1234)
     data = torch.randint(0, model.config.vocab_size, (steps, batch, seq), generator=gen)
     peaks, held, times, losses = [], [], [], []
+    kw = {"use_cache": True} if "-cache" in setup else {}
     for step in range(steps):
         ids = data[step].cuda()
         last = step == steps - 1
@@ -109,7 +112,7 @@ def child(setup: str, steps: int, batch: int, seq: int, layers: int, snapshot: s
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, **kw).loss
         torch.cuda.synchronize()
         held.append(torch.cuda.memory_allocated())
         loss.backward()
