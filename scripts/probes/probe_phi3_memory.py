@@ -1,7 +1,7 @@
 """What each setup keeps for the backward on Phi-3-mini, per decoder layer, counted on the CPU.
 
 Phi-3-mini-4k's real widths (hidden 3072, intermediate 8192, 32 heads of 96, vocabulary 32064)
-with 1 or 2 layers and a few dozen tokens, bf16, sdpa. The sliding window is set one below the
+with 2 layers and a few dozen tokens, bf16, sdpa. The sliding window is set one below the
 sequence, as 2047 is below the benchmark's 2048, so the same kind of mask is built.
 
 - saved: every tensor autograd saves (``saved_tensors_hooks``), by the module that was running
@@ -14,10 +14,12 @@ sequence, as 2047 is below the benchmark's 2048, so the same kind of mask is bui
 Setups: eager (transformers as is) and ours (kernels.apply_training_kernels from the variant
 folder, Triton kernels in the interpreter); candidates: ours-vcopy (sdpa gets a copy of v, see
 copy_sliced_value), ours-menorm (MemoryEfficientRMSNorm for the norms), ours-menorm-vcopy,
-ours-cache (transformers' KV cache left on, whose copies of k and v sdpa then saves). Liger's Triton kernels do not run on the CPU; its
-column in docs/benchmarks/training-h200-2026-12-01/phi3-memory.md is from reading its source.
+ours-cache (transformers' KV cache left on, whose copies of k and v sdpa then saves).
+Liger's Triton kernels do not run on the CPU; its column in
+docs/benchmarks/training-h200-2026-12-01/phi3-memory.md is from reading its source.
 
 Usage: TRITON_INTERPRET=1 python scripts/probes/probe_phi3_memory.py [--seq 64] [--json OUT]
+       [--setups eager,ours,ours-vcopy,ours-cache,ours-menorm,ours-menorm-vcopy]
 Each setup runs in its own process (bindings patch classes).
 """
 
@@ -122,8 +124,6 @@ def saved_by_module(model, ids, **kw) -> dict:
 
 
 def live_and_peaks(model, ids, **kw) -> dict:
-    import torch
-
     sys.path.insert(0, str(ROOT / "tests/kernels"))
     from _live_bytes import LiveBytes
 
@@ -146,7 +146,6 @@ def live_and_peaks(model, ids, **kw) -> dict:
     del loss
     grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
     model.zero_grad(set_to_none=True)
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {
         "end_of_forward": end_of_forward,
         "forward_peak": fwd_peak,
@@ -230,7 +229,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--setups", default="eager,ours")
-    p.add_argument("--layers", default="1,2")
+    p.add_argument("--layers", default="2", help="the per-layer tables read layers.1")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
