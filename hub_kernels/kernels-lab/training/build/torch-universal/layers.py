@@ -389,3 +389,34 @@ class ScaledSwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x) * self.gate_multiplier
         return self.down_proj(silu_mul(gate, self.up_proj(x))) * self.down_multiplier
+
+
+# ReLU² (Nemotron's "relu2"): the activation alone, and the whole non-gated MLP around it.
+from .relu_squared_mlp import relu_squared_mlp  # noqa: E402
+from .swiglu import relu_squared  # noqa: E402
+
+
+class ReLUSquared(nn.Module):
+    """ReLUSquaredActivation: relu(x)^2, keeping x only for the backward."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return relu_squared(input)
+
+
+class ReLUSquaredMLP(nn.Module):
+    """Nemotron's MLP, down(relu(up(x))^2): keeps up(x) alone for the backward (h recomputed,
+    d(up) written over up's output; see relu_squared_mlp.py); with biases or hooks, the
+    projections run as modules around the ReLU² kernel, d(up) over up's output where private."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = relu_squared_mlp(x, self.up_proj, self.down_proj)
+        if out is None:
+            in_place = _outputs_private(self.up_proj)
+            out = self.down_proj(relu_squared(self.up_proj(x), in_place=in_place))
+        return out
