@@ -409,14 +409,19 @@ class ReLUSquared(nn.Module):
 class ReLUSquaredMLP(nn.Module):
     """Nemotron's MLP, down(relu(up(x))^2): keeps up(x) alone for the backward (h recomputed,
     d(up) written over up's output; see relu_squared_mlp.py); with biases or hooks, the
-    projections run as modules around the ReLU² kernel, d(up) over up's output where private."""
+    projections run as modules around the ReLU² kernel, d(up) over up's output where private.
+
+    The projections are ``up_proj`` and ``down_proj``, or the (in, out) child names the class
+    attribute ``kernels_mlp_projections`` gives (``fc1``/``fc2``, ``dense_h_to_4h``/...), which
+    the loader's structure probe sets."""
 
     has_backward = True
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = relu_squared_mlp(x, self.up_proj, self.down_proj)
+        first, second = getattr(self, "kernels_mlp_projections", ("up_proj", "down_proj"))
+        up, down = getattr(self, first), getattr(self, second)
+        out = relu_squared_mlp(x, up, down)
         if out is None:
-            in_place = _outputs_private(self.up_proj)
-            out = self.down_proj(relu_squared(self.up_proj(x), in_place=in_place))
+            out = down(relu_squared(up(x), in_place=_outputs_private(up)))
         return out
