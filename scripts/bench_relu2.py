@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in (relu2_case(16384, 14336), mlp_case(16384, 3072, 9216)):
         rows += run_case(case, ceil, rounds=args.rounds)
+    from importlib.metadata import PackageNotFoundError, version
+
     import transformers
     import triton
-
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         liger_version = version("liger-kernel")
