@@ -78,3 +78,20 @@ def test_relu_squared_families_bind_and_train_as_before(mirror, model_type):
     mlps = [n for n, layer in outcome.classes.items() if layer == "ReLUSquaredMLP"]
     assert len(mlps) == 1 and mlps[0].endswith("MLP"), outcome.classes
     assert outcome.classes.get("ReLUSquaredActivation") == "ReLUSquared", outcome.classes
+
+
+def test_liger_style_relu_squared_key_maps_the_relu_squared_layers():
+    """Liger's nemotron switch ``relu_squared`` (on by default) names ReLUSquared and
+    ReLUSquaredMLP for a classified model class; without one it maps nothing new. (Arcee: the
+    model_class path builds the default config, which Nemotron's cannot build with.)"""
+    import kernels
+    from transformers import ArceeForCausalLM
+
+    on = kernels.liger_kernel_mapping(model_class=ArceeForCausalLM)
+    assert {k: v.split(":")[-1] for k, v in on.items() if "ReLU" in k} == {
+        "ReLUSquared": "ReLUSquared",
+        "ReLUSquaredMLP": "ReLUSquaredMLP",
+    }
+    off = kernels.liger_kernel_mapping({"relu_squared": False}, model_class=ArceeForCausalLM)
+    assert not any("ReLU" in k for k in off), off
+    assert not any("ReLU" in k for k in kernels.liger_kernel_mapping())
