@@ -205,3 +205,24 @@ def test_fullgraph_compile_matches_eager(kt, what):
         strict=True,
     ):
         torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_composed_mlp_writes_d_up_over_up_unless_hooked(kt, hooked):
+    """With biases the layer composes its Linears around relu_squared: d(u) goes over u (its
+    version counter bumps), except where a hook on up_proj may have handed u to someone else."""
+    m = nemotron_like(H, 64, bias=True)
+    if hooked:
+        m.up_proj.register_forward_hook(lambda *a: None)
+    x = torch.randn(6, H, requires_grad=True)
+    saved: list[tuple[torch.Tensor, int]] = []
+
+    def pack(t):
+        saved.append((t, t._version))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(kt, m)(x)
+    out.sum().backward()
+    bumped = [t for t, v in saved if t.shape == (6, 64) and t._version != v]
+    assert len(bumped) == (0 if hooked else 1)
