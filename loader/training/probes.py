@@ -244,13 +244,22 @@ def probe_mlp(module: nn.Module, fused: bool, scaled: bool = False) -> bool:
     return _close(out if isinstance(out, torch.Tensor) else out[0], want, _FP32_RTOL)
 
 
+def _unhooked(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` that runs its own forward and none of its hooks (the user's
+    hooks must not see probe inputs)."""
+    probe = copy.copy(module)
+    probe._forward_hooks = type(module._forward_hooks)()
+    probe._forward_pre_hooks = type(module._forward_pre_hooks)()
+    probe.__dict__.pop("forward", None)  # a kernel bound earlier: probe the module's own forward
+    return probe
+
+
 def computes_relu_squared(act: nn.Module) -> bool:
     """Whether a parameter-free module computes relu(x)^2 (transformers' ReLUSquaredActivation,
     Primer's squared ReLU), whatever its class is called: run on values of both signs and 0."""
     if act._parameters or act._buffers or act._modules:
         return False
-    probe = copy.copy(act)
-    probe.__dict__.pop("forward", None)  # a kernel bound earlier: probe the module's own forward
+    probe = _unhooked(act)
     x = torch.linspace(-3.0, 3.0, 61)  # 0 among them, where relu bends
     try:
         with torch.no_grad():
@@ -274,6 +283,9 @@ def probe_plain_mlp(module: nn.Module, first: str, second: str) -> bool:
     probe.__dict__.pop("forward", None)  # an instance-bound kernel forward
     probe._modules[first] = _small_linear(module._modules[first], hidden, inner, gen)
     probe._modules[second] = _small_linear(module._modules[second], inner, hidden, gen)
+    for name in ACT_ATTRS:
+        if isinstance(probe._modules.get(name), nn.Module):
+            probe._modules[name] = _unhooked(probe._modules[name])
     act = activation_of(probe)
     x = torch.randn(2, 3, hidden, generator=gen)
     try:

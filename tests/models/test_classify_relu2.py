@@ -95,3 +95,11 @@ def test_liger_style_relu_squared_key_maps_the_relu_squared_layers():
     off = kernels.liger_kernel_mapping({"relu_squared": False}, model_class=ArceeForCausalLM)
     assert not any("ReLU" in k for k in off), off
     assert not any("ReLU" in k for k in kernels.liger_kernel_mapping())
+
+
+def test_probing_an_activation_runs_none_of_its_hooks():
+    calls = []
+    act = SquaredReLU()
+    act.register_forward_hook(lambda *a: calls.append("hook"))
+    assert _verdicts(nn.Sequential(PlainMLP(act)))["SquaredReLU"].layer == "ReLUSquared"
+    assert calls == []
