@@ -242,8 +242,9 @@ MLP_PROJECTIONS = "kernels_mlp_projections"
 
 
 def _plain_projections(module: nn.Module) -> tuple[str, str] | None:
-    """(in, out) child names of a non-gated MLP: exactly two Linear children, the first
-    [inner, hidden] and the second [hidden, inner]; None for anything else."""
+    """The two Linear child names of a non-gated MLP, in registration order: exactly two
+    Linears, one [inner, hidden] and the other [hidden, inner]; None for anything else. Which
+    one comes first in the forward is left to the probe."""
     linears = [(n, m) for n, m in module._modules.items() if _is_linear(m)]
     if len(linears) != 2:
         return None
@@ -262,14 +263,22 @@ def plain_mlp_verdict(
     if act is None or not probes.computes_relu_squared(act):
         return None
     first, second = projections
-    if not probes.one_tensor_forward(type(module)) or not probes.probe_plain_mlp(
-        module, first, second
-    ):
+    one_tensor = probes.one_tensor_forward(type(module))
+    # registration order is usually the forward's; a module may declare the output one first
+    order = next(
+        (
+            o
+            for o in (projections, projections[::-1])
+            if one_tensor and probes.probe_plain_mlp(module, *o)
+        ),
+        None,
+    )
+    if order is None:
         return Verdict("mlp", None, f"does not compute {second}(relu({first}(x))^2)")
     missing = available("ReLUSquaredMLP")
     if missing:
         return Verdict("mlp", None, missing)
-    return Verdict("mlp", "ReLUSquaredMLP", attributes=((MLP_PROJECTIONS, projections),))
+    return Verdict("mlp", "ReLUSquaredMLP", attributes=((MLP_PROJECTIONS, order),))
 
 
 def activation_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict | None:

@@ -226,3 +226,28 @@ def test_composed_mlp_writes_d_up_over_up_unless_hooked(kt, hooked):
     out.sum().backward()
     bumped = [t for t, v in saved if t.shape == (6, 64) and t._version != v]
     assert len(bumped) == (0 if hooked else 1)
+
+
+def test_mlp_layer_reads_the_projection_names_from_the_class(kt):
+    """The loader sets ``kernels_mlp_projections`` on the class (fc1/fc2, or an output
+    projection declared first); the layer then computes what the module's own forward does."""
+
+    class OutFirst(nn.Module):
+        kernels_mlp_projections = ("w_in", "w_out")
+
+        def __init__(self):
+            super().__init__()
+            self.w_out, self.w_in = nn.Linear(64, 24, bias=False), nn.Linear(24, 64, bias=False)
+
+        def forward(self, x):
+            return self.w_out(torch.relu(self.w_in(x)) ** 2)
+
+    m = OutFirst()
+    x = torch.randn(5, 24, requires_grad=True)
+    got = types.MethodType(kt.layers.ReLUSquaredMLP.forward, m)(x)
+    want = m(x)
+    assert_close(got, want, torch.float32, "output")
+    g = torch.autograd.grad(got, [x, m.w_in.weight, m.w_out.weight], torch.ones_like(got))
+    w = torch.autograd.grad(want, [x, m.w_in.weight, m.w_out.weight], torch.ones_like(want))
+    for a, b, what in zip(g, w, ("dx", "d w_in", "d w_out"), strict=True):
+        assert_close(a, b, torch.float32, what)

@@ -55,6 +55,22 @@ def test_other_activations_keep_the_non_gated_report(act):
     assert type(act).__name__ not in verdicts  # no activation verdict, no report line
 
 
+class OutFirstMLP(nn.Module):  # declares the output projection first
+    def __init__(self):
+        super().__init__()
+        self.w_out, self.w_in = nn.Linear(96, 32), nn.Linear(32, 96)
+        self.act = SquaredReLU()
+
+    def forward(self, x):
+        return self.w_out(self.act(self.w_in(x)))
+
+
+def test_the_projections_order_comes_from_the_forward_not_the_declaration():
+    mlp = _verdicts(nn.Sequential(OutFirstMLP()))["OutFirstMLP"]
+    assert mlp.layer == "ReLUSquaredMLP"
+    assert dict(mlp.attributes) == {MLP_PROJECTIONS: ("w_in", "w_out")}
+
+
 def test_a_relu_squared_mlp_that_computes_more_is_not_bound():
     verdicts = _verdicts(nn.Sequential(PlainMLP(SquaredReLU(), residual=True)))
     assert verdicts["PlainMLP"].layer is None
