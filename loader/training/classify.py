@@ -263,16 +263,9 @@ def plain_mlp_verdict(
     if act is None or not probes.computes_relu_squared(act):
         return None
     first, second = projections
-    one_tensor = probes.one_tensor_forward(type(module))
     # registration order is usually the forward's; a module may declare the output one first
-    order = next(
-        (
-            o
-            for o in (projections, projections[::-1])
-            if one_tensor and probes.probe_plain_mlp(module, *o)
-        ),
-        None,
-    )
+    orders = (projections, projections[::-1]) if probes.one_tensor_forward(type(module)) else ()
+    order = next((o for o in orders if probes.probe_plain_mlp(module, *o)), None)
     if order is None:
         return Verdict("mlp", None, f"does not compute {second}(relu({first}(x))^2)")
     missing = available("ReLUSquaredMLP")
