@@ -23,6 +23,9 @@ DEFAULTS = {
     "cross_entropy": False,
     "geglu": False,
     "layer_norm": False,
+    # Liger's nemotron switch (on by default there); transformers declares no layer name for
+    # it, so it maps layers only where a model_class is classified
+    "relu_squared": True,
 }
 
 # key -> (layer name the model declares, layer class in the kernel repo)
@@ -64,6 +67,7 @@ _KIND_LAYERS = {
     "layer_norm": ("LayerNorm",),
     "swiglu": ("SwiGLUMLP", "FusedSwiGLUMLP", "ScaledSwiGLUMLP"),
     "geglu": ("GeGLUMLP", "FusedGeGLUMLP"),
+    "relu_squared": ("ReLUSquared", "ReLUSquaredMLP"),
     "rope": (
         "rotary_pos_emb",
         "half_rotary_pos_emb",
@@ -128,7 +132,7 @@ def liger_kernel_mapping(
         return {name: (value, {"version": version}) for name, value in mapping.items()}
     mapping: dict[str, str | tuple[str, dict]] = {}
     for key, on in switched.items():
-        if on:
+        if on and key in LAYERS:
             layer_name, layer_class = LAYERS[key]
             value = f"{repo}:{layer_class}"
             mapping[layer_name] = value if version == 1 else (value, {"version": version})

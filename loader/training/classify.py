@@ -38,7 +38,7 @@ class Verdict:
     """``layer`` is the training repo's layer class serving the module (its layer name too);
     None with a ``reason`` when nothing serves it."""
 
-    kind: str  # norm, mlp, experts, rotary, loss
+    kind: str  # norm, mlp, experts, rotary, loss, activation
     layer: str | None
     reason: str = ""
     condition: Callable[[nn.Module], bool] | None = None
@@ -203,6 +203,9 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
     fused = _is_linear(children.get("gate_up_proj")) and _is_linear(children.get("down_proj"))
     separate = all(_is_linear(children.get(n)) for n in ("gate_proj", "up_proj", "down_proj"))
     if not (fused or separate):
+        plain = _plain_projections(module)
+        if plain is not None and (v := plain_mlp_verdict(module, plain, available)) is not None:
+            return v
         if type(module).__name__.lower().endswith("mlp") and probes.one_tensor_forward(
             type(module)
         ):
@@ -232,6 +235,52 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
         return Verdict("mlp", None, f"does not compute {want}")
     missing = available(layer)
     return Verdict("mlp", None, missing) if missing else Verdict("mlp", layer)
+
+
+# The class attribute ReLUSquaredMLP reads: the names of the (in, out) projections.
+MLP_PROJECTIONS = "kernels_mlp_projections"
+
+
+def _plain_projections(module: nn.Module) -> tuple[str, str] | None:
+    """The two Linear child names of a non-gated MLP, in registration order: exactly two
+    Linears, one [inner, hidden] and the other [hidden, inner]; None for anything else. Which
+    one comes first in the forward is left to the probe."""
+    linears = [(n, m) for n, m in module._modules.items() if _is_linear(m)]
+    if len(linears) != 2:
+        return None
+    (first, w1), (second, w2) = ((n, m.weight) for n, m in linears)
+    if w1.shape[0] != w2.shape[1] or w1.shape[1] != w2.shape[0]:
+        return None
+    return first, second
+
+
+def plain_mlp_verdict(
+    module: nn.Module, projections: tuple[str, str], available: Callable[[str], str | None]
+) -> Verdict | None:
+    """ReLUSquaredMLP for out(relu(in(x))^2) (Nemotron, Arcee, Persimmon, ...); None when the
+    activation is not ReLU² (the caller reports what it reports for non-gated MLPs)."""
+    act = probes.activation_of(module)
+    if act is None or not probes.computes_relu_squared(act):
+        return None
+    first, second = projections
+    # registration order is usually the forward's; a module may declare the output one first
+    orders = (projections, projections[::-1]) if probes.one_tensor_forward(type(module)) else ()
+    order = next((o for o in orders if probes.probe_plain_mlp(module, *o)), None)
+    if order is None:
+        return Verdict("mlp", None, f"does not compute {second}(relu({first}(x))^2)")
+    missing = available("ReLUSquaredMLP")
+    if missing:
+        return Verdict("mlp", None, missing)
+    return Verdict("mlp", "ReLUSquaredMLP", attributes=((MLP_PROJECTIONS, order),))
+
+
+def activation_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict | None:
+    """ReLUSquared for a parameter-free module computing relu(x)^2; None for any other module
+    (activations the MLP layers fuse are served there, not on their own)."""
+    if not probes.one_tensor_forward(type(module)) or not probes.computes_relu_squared(module):
+        return None
+    missing = available("ReLUSquared")
+    return Verdict("activation", None, missing) if missing else Verdict("activation", "ReLUSquared")
 
 
 def experts_verdict(
@@ -495,6 +544,8 @@ def classify(
             verdict = v
         elif is_norm(module):
             verdict = norm_verdict(module, available)
+        elif not module._parameters and not module._modules:
+            verdict = activation_verdict(module, available)
         if verdict is not None:
             plan.classes[cls] = verdict
         plan.rotary += rotary_uses(cls, available)

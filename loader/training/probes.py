@@ -244,6 +244,59 @@ def probe_mlp(module: nn.Module, fused: bool, scaled: bool = False) -> bool:
     return _close(out if isinstance(out, torch.Tensor) else out[0], want, _FP32_RTOL)
 
 
+def _unhooked(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` that runs its own forward and none of its hooks (the user's
+    hooks must not see probe inputs)."""
+    probe = copy.copy(module)
+    probe._forward_hooks = type(module._forward_hooks)()
+    probe._forward_pre_hooks = type(module._forward_pre_hooks)()
+    probe.__dict__.pop("forward", None)  # a kernel bound earlier: probe the module's own forward
+    return probe
+
+
+def computes_relu_squared(act: nn.Module) -> bool:
+    """Whether a parameter-free module computes relu(x)^2 (transformers' ReLUSquaredActivation,
+    Primer's squared ReLU), whatever its class is called: run on values of both signs and 0."""
+    if act._parameters or act._buffers or act._modules:
+        return False
+    probe = _unhooked(act)
+    x = torch.linspace(-3.0, 3.0, 61)  # 0 among them, where relu bends
+    try:
+        with torch.no_grad():
+            out = probe(x)
+    except Exception:  # noqa: BLE001 - not a one-tensor elementwise module
+        return False
+    return isinstance(out, torch.Tensor) and _close(out, torch.relu(x) ** 2, _FP32_RTOL)
+
+
+def probe_plain_mlp(module: nn.Module, first: str, second: str) -> bool:
+    """Whether the MLP computes second(act(first(x))) with its own activation: probed through a
+    shallow copy whose two projections are small random Linears (as probe_mlp does)."""
+    hidden, inner = 8, 12
+    gen = torch.Generator().manual_seed(5)
+    probe = copy.copy(module)
+    probe._modules = dict(module._modules)
+    probe._parameters = {}
+    probe._buffers = {}
+    probe._forward_hooks = type(module._forward_hooks)()
+    probe._forward_pre_hooks = type(module._forward_pre_hooks)()
+    probe.__dict__.pop("forward", None)  # an instance-bound kernel forward
+    probe._modules[first] = _small_linear(module._modules[first], hidden, inner, gen)
+    probe._modules[second] = _small_linear(module._modules[second], inner, hidden, gen)
+    for name in ACT_ATTRS:
+        if isinstance(probe._modules.get(name), nn.Module):
+            probe._modules[name] = _unhooked(probe._modules[name])
+    act = activation_of(probe)
+    x = torch.randn(2, 3, hidden, generator=gen)
+    try:
+        with torch.no_grad():
+            out = probe(x)
+            want = probe._modules[second](act(probe._modules[first](x)))
+    except Exception:  # noqa: BLE001 - a forward that needs more than x is not one of ours
+        return False
+    return _close(out if isinstance(out, torch.Tensor) else out[0], want, _FP32_RTOL)
+
+
 # -- rotary functions -------------------------------------------------------------------------
 
 ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")

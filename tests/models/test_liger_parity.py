@@ -70,15 +70,15 @@ def test_closed_gaps_bind_and_match(mirror, model_type):
         assert not _unbound_liger_classes(outcome), outcome.unbound_classes
 
 
-def test_nemotron_builds_and_says_why_its_activation_stays(mirror):
+def test_nemotron_builds_and_binds_its_relu_squared(mirror):
     """Nemotron's config leaves num_key_value_heads None (the sweep used to skip it); Liger
-    patches its ReLU² activation, for which this build has no kernel: the report says so."""
+    patches its ReLU² activation: ReLUSquared serves that, ReLUSquaredMLP the MLP around it."""
     outcome = run_one("nemotron")
     assert outcome.status == "match", outcome
     assert outcome.classes.get("NemotronForCausalLM") == "ForCausalLM"
-    assert _unbound_liger_classes(outcome) == {
-        "ReLUSquaredActivation": "no training-kernel layer serves this kind of module"
-    }
+    assert outcome.classes.get("ReLUSquaredActivation") == "ReLUSquared"
+    assert outcome.classes.get("NemotronMLP") == "ReLUSquaredMLP"
+    assert not _unbound_liger_classes(outcome), outcome.unbound_classes
 
 
 @pytest.mark.slow
@@ -88,7 +88,7 @@ def test_every_liger_type_binds_what_liger_patches(mirror, model_type):
     outcome = run_one(model_type)
     assert outcome.status == "match", outcome
     missing = _unbound_liger_classes(outcome)
-    assert set(missing) <= {"ReLUSquaredActivation"}, missing  # nemotron: no ReLU² kernel
+    assert not missing, missing
 
 
 # -- the table against Liger's source ---------------------------------------------------------

@@ -1,5 +1,5 @@
 """kernels-lab/training: Triton training kernels (RMSNorm, fused add + RMSNorm, LayerNorm, RoPE,
-SwiGLU/GeGLU, SiLU).
+SwiGLU/GeGLU, SiLU, ReLU²).
 
 Functional ops are exposed here; ``layers`` holds the layer classes that kernelize binds onto
 transformers modules. CUDA tensors run Triton; CPU tensors run plain torch, or Triton's
@@ -11,7 +11,7 @@ from .add_rms_norm import fused_add_rms_norm
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
 from .rope import apply_rotary_pos_emb
-from .swiglu import gelu_mul, silu, silu_mul
+from .swiglu import gelu_mul, relu_squared, silu, silu_mul
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -19,6 +19,7 @@ __all__ = [
     "gelu_mul",
     "layer_norm",
     "layers",
+    "relu_squared",
     "rms_norm",
     "silu",
     "silu_mul",

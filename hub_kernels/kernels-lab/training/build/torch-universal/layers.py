@@ -389,3 +389,39 @@ class ScaledSwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x) * self.gate_multiplier
         return self.down_proj(silu_mul(gate, self.up_proj(x))) * self.down_multiplier
+
+
+# ReLU² (Nemotron's "relu2"): the activation alone, and the whole non-gated MLP around it.
+from .relu_squared_mlp import relu_squared_mlp  # noqa: E402
+from .swiglu import relu_squared  # noqa: E402
+
+
+class ReLUSquared(nn.Module):
+    """ReLUSquaredActivation: relu(x)^2, keeping x only for the backward."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return relu_squared(input)
+
+
+class ReLUSquaredMLP(nn.Module):
+    """Nemotron's MLP, down(relu(up(x))^2): keeps up(x) alone for the backward (h recomputed,
+    d(up) written over up's output; see relu_squared_mlp.py); with biases or hooks, the
+    projections run as modules around the ReLU² kernel, d(up) over up's output where private.
+
+    The projections are ``up_proj`` and ``down_proj``, or the (in, out) child names the class
+    attribute ``kernels_mlp_projections`` gives (``fc1``/``fc2``, ``dense_h_to_4h``/...), which
+    the loader's structure probe sets."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = getattr(self, "kernels_mlp_projections", ("up_proj", "down_proj"))
+        up, down = getattr(self, first), getattr(self, second)
+        out = relu_squared_mlp(x, up, down)
+        if out is None:
+            out = down(relu_squared(up(x), in_place=_outputs_private(up)))
+        return out

@@ -1,4 +1,4 @@
-"""Gated activations act(a) * b (SwiGLU, GeGLU) and plain SiLU, forward and backward.
+"""Gated activations act(a) * b (SwiGLU, GeGLU) and plain SiLU / ReLU², forward and backward.
 
 Numerics follow the HF MLP ``act_fn(gate) * up`` run in the input dtype: the activation is
 computed in fp32 and rounded to the input dtype, then multiplied by ``b`` in fp32 and rounded
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ._common import as_rows, cdiv, fast_launch, flat, op_name, use_triton
 
-SILU, GELU_TANH, GELU_ERF = 0, 1, 2
+SILU, GELU_TANH, GELU_ERF, RELU_SQUARED = 0, 1, 2, 3
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_C = 0.044715
@@ -47,8 +47,12 @@ def _act(a, ACT: tl.constexpr):
         # 0.5 * a * (1 + tanh(u)) == a * sigmoid(2u)
         u = _K * (a + _C * a * a * a)
         y = a * tl.sigmoid(2.0 * u)
-    else:
+    elif ACT == 2:
         y = 0.5 * a * (1.0 + tl.erf(a * _R2))
+    else:
+        # relu(a)^2: exact in fp32 for a bf16/fp16 a, so one rounding, as torch's square
+        r = tl.maximum(a, 0.0)
+        y = r * r
     return y
 
 
@@ -63,8 +67,10 @@ def _act_grad(a, ACT: tl.constexpr):
         s = tl.sigmoid(2.0 * u)
         du = _K * (1.0 + 3.0 * _C * a * a)
         g = s + 2.0 * a * s * (1.0 - s) * du
-    else:
+    elif ACT == 2:
         g = 0.5 * (1.0 + tl.erf(a * _R2)) + a * _R2PI * tl.exp(-0.5 * a * a)
+    else:
+        g = 2.0 * tl.maximum(a, 0.0)
     return g
 
 
@@ -124,12 +130,18 @@ def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
 
 @fast_launch
 @triton.jit
-def _act_bwd_kernel(DY, X, DX, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_bwd_kernel(
+    DY, X, DX, Y, numel, ACT: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(DX + offs, (dy * _act_grad(x, ACT)).to(DX.dtype.element_ty), mask=mask)
+    if WRITE_Y:
+        # The forward's act(x) again, element for element after dy and x were read (Y may be
+        # DY, DX may be X).
+        tl.store(Y + offs, _act(x, ACT).to(Y.dtype.element_ty), mask=mask)
 
 
 def elementwise_config(numel: int) -> dict:
@@ -191,6 +203,8 @@ def glu_backward(dc, a, b, act, cfg=None, out=None, product=None):
 def _torch_act(x: torch.Tensor, act: int) -> torch.Tensor:
     if act == SILU:
         return F.silu(x)
+    if act == RELU_SQUARED:
+        return torch.square(F.relu(x))
     return F.gelu(x, approximate="tanh" if act == GELU_TANH else "none")
 
 
@@ -200,6 +214,8 @@ def _torch_act_grad(x: torch.Tensor, act: int) -> torch.Tensor:
     if act == SILU:
         s = torch.sigmoid(x)
         return s * (1.0 + x * (1.0 - s))
+    if act == RELU_SQUARED:
+        return 2.0 * F.relu(x)
     if act == GELU_TANH:
         t = torch.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x**3))
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (
@@ -242,16 +258,26 @@ def _act_forward_any(x, act):
     return y
 
 
-def _act_backward_any(dy, x, act):
+def _act_backward_any(dy, x, act, out=None, product=None):
+    """d(x) of act(x) for the incoming dy, into `out` when given (it may be x itself: each
+    element is read before it is written). `product`: optional tensor shaped like dy (it may be
+    dy itself) that receives the forward's act(x) in the same pass. All contiguous."""
     if not use_triton(x):
-        return (dy.float() * _torch_act_grad(x, act)).to(x.dtype).contiguous()
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = (dy.float() * _torch_act_grad(x, act)).to(x.dtype)
+        if product is not None:
+            product.copy_(_torch_act(x, act))
+        if out is None:
+            return dx.contiguous()
+        return out.copy_(dx)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     numel = dx.numel()
     if numel:
         cfg = elementwise_config(numel)
+        dy1 = flat(dy)
         _act_bwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
-            flat(dy), flat(x), dx, numel, ACT=act, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"]
-        )
+            dy1, flat(x), dx, dy1 if product is None else product, numel, ACT=act,
+            WRITE_Y=product is not None, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
     return dx
 
 
@@ -398,15 +424,21 @@ class _GLUHalvesFunction(torch.autograd.Function):
 
 class _ActFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, act):
+    def forward(ctx, x, act, in_place=False):
         ctx.save_for_backward(x)
-        ctx.act = act
+        ctx.act, ctx.in_place = act, in_place
         return _act_forward_any(x, act)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        return _act_backward_any(dy, x, ctx.act), None
+        if ctx.in_place and x.is_contiguous() and x.dtype == dy.dtype and graph_is_freed():
+            # Each element is read before it is written, by the same program: safe over x.
+            dx = _act_backward_any(dy, x, ctx.act, out=x)
+            torch.autograd.graph.increment_version(x)
+        else:
+            dx = _act_backward_any(dy, x, ctx.act)
+        return dx, None, None
 
 
 def _glu(a, b, act, in_place=False):
@@ -463,3 +495,15 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return act_fwd(x, SILU)
     return _ActFunction.apply(x, SILU)
+
+
+def relu_squared(x: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """relu(x)^2 (transformers' ReLUSquaredActivation, Nemotron's "relu2") with a Triton
+    backward that keeps x only.
+
+    ``in_place=True``: the backward writes d(x) over x (contiguous, of the gradient's dtype;
+    else a new buffer), as silu_mul's in_place does; do not read x after the backward.
+    """
+    if torch.compiler.is_compiling():
+        return act_fwd(x, RELU_SQUARED)  # the compiled graph owns its buffers
+    return _ActFunction.apply(x, RELU_SQUARED, in_place)
