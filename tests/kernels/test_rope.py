@@ -56,6 +56,25 @@ def test_forward_and_grads(kt, case, dtype, layout, checked, request):
     check(q, k, cos, sin, qo, ko, 1, dtype)
 
 
+@pytest.mark.parametrize("which", ["k", "q and k"])
+def test_head_dim_without_a_unit_stride(kt, which):
+    """A q or k whose head_dim is not the innermost dimension (time is: [B, H, D, T] memory
+    transposed) is rotated, not refused; the outputs are laid out with unit head_dim stride."""
+    b, hq, hk, t, d = 2, 4, 2, 16, 8
+    q = torch.randn(b, hq, t, d)
+    k = torch.randn(b, hk, d, t).transpose(-1, -2)  # stride along head_dim: t
+    if which == "q and k":
+        q = torch.randn(b, hq, d, t).transpose(-1, -2)
+    q, k = q.requires_grad_(), k.requires_grad_()
+    angles = torch.randn(b, t, d // 2) * 3
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    assert kt.rope.triton_supported(q, k, cos, sin, 1)  # the Triton path, not the fallback
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+    assert qo.stride(-1) == 1 and ko.stride(-1) == 1
+    check(q, k, cos, sin, qo, ko, 1, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_unsqueeze_dim_2_bthd(kt, dtype):
     """q/k as [B, T, H, D] with unsqueeze_dim=2."""

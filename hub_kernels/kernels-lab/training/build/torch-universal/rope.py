@@ -257,12 +257,21 @@ def triton_supported(q, k, cos, sin, unsqueeze_dim: int) -> bool:
 _ASK = object()
 
 
+def _out_like(x: torch.Tensor) -> torch.Tensor:
+    """The rotated output for `x`: x's layout where head_dim has unit stride (the layout the
+    transformers formula's elementwise ops give), else contiguous. empty_like alone follows any
+    stride order, e.g. a k whose time dim is innermost, which the kernel cannot write."""
+    if x.stride(-1) == 1:
+        return torch.empty_like(x)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
     """Triton rotation of q and k (the inverse rotation when `backward`).
 
     `repeats`: what halves_repeat answers (asked by default): True, False, None or a device flag.
     """
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    qo, ko = _out_like(q), _out_like(k)
     qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
     qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
     b, hq, t, d = qv.shape
