@@ -34,7 +34,6 @@ from .spec import validate_repo_id
 
 MAX_FILE_SIZE = 16 << 30
 MAX_FILES_PER_VARIANT = 10_000
-_HEX40 = re.compile(r"^[0-9a-f]{40}\Z")
 _HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}\Z")
 
@@ -100,7 +99,7 @@ def _validate_listing(repo_id: str, commit: str, files: list[RemoteFile]) -> Lis
             raise bad(f"{f.path} is {f.size} bytes; metadata is at most {MAX_METADATA_BYTES}")
         if f.lfs_sha256 is not None and not _HEX64.match(f.lfs_sha256):
             raise bad(f"{f.path} has a malformed sha256")
-        if f.lfs_sha256 is None and (f.git_sha1 is None or not _HEX40.match(f.git_sha1)):
+        if f.lfs_sha256 is None and not is_commit_id(f.git_sha1):
             raise bad(f"{f.path} has no usable digest")
         variants.setdefault(variant, []).append(RemoteFile(rel, f.size, f.git_sha1, f.lfs_sha256))
     for variant, entries in variants.items():

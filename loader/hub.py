@@ -25,7 +25,7 @@ from .errors import (
     KernelsError,
     UnsafeResponse,
 )
-from .remote_file import RemoteFile, is_commit_id  # noqa: F401  (re-exported: hub.RemoteFile)
+from .remote_file import RemoteFile, is_commit_id
 
 REPO_TYPE = "kernel"
 METADATA_TIMEOUT = 10.0

@@ -68,14 +68,7 @@ _KIND_LAYERS = {
     "swiglu": ("SwiGLUMLP", "FusedSwiGLUMLP", "ScaledSwiGLUMLP"),
     "geglu": ("GeGLUMLP", "FusedGeGLUMLP"),
     "relu_squared": ("ReLUSquared", "ReLUSquaredMLP"),
-    "rope": (
-        "rotary_pos_emb",
-        "half_rotary_pos_emb",
-        "interleaved_rotary_pos_emb",
-        "half_interleaved_rotary_pos_emb",
-        "complex_rotary_emb",
-        "complex_rotary_emb_bhtd",
-    ),
+    "rope": (),  # every rotary layer the probes know: filled in by _model_mapping
     "fused_linear_cross_entropy": ("ForCausalLM", "MoEForCausalLM", "CausalLMHead"),
     "cross_entropy": ("ForCausalLM",),
 }
@@ -87,7 +80,9 @@ def _model_mapping(model_class: type, switched: dict[str, bool], repo: str) -> d
     import torch
 
     from .training import classify
+    from .training.probes import COMPLEX_ROTARY_LAYOUTS, ROTARY_FORMULAS
 
+    kinds = {**_KIND_LAYERS, "rope": (*ROTARY_FORMULAS, *COMPLEX_ROTARY_LAYOUTS)}
     with torch.device("meta"):
         model = model_class(model_class.config_class())
     plan = classify(model)
@@ -95,7 +90,7 @@ def _model_mapping(model_class: type, switched: dict[str, bool], repo: str) -> d
     served = plan.served()
     mapping: dict[str, str] = {}
     for key, on in switched.items():
-        for layer in _KIND_LAYERS[key] if on else ():
+        for layer in kinds[key] if on else ():
             if layer in served:
                 target = "ForCausalLMCrossEntropy" if key == "cross_entropy" else layer
                 mapping[layer] = f"{repo}:{target}"

@@ -179,7 +179,7 @@ def parse_lock(text: str, path: Path | None = None) -> Lockfile:
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise _bad(path, f"malformed entry ({type(exc).__name__}: {exc})") from None
     for entry in entries:
-        if not isinstance(entry.commit, str) or not is_commit(entry.commit):
+        if not is_commit(entry.commit):
             raise _bad(path, f"{entry.repo_id}: commit {entry.commit!r} is not a 40-hex commit id")
         for variant, files in (entry.variants or {}).items():
             for rel, sha in files.items():

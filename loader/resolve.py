@@ -100,7 +100,7 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
         return Resolution(repo_id, ref, record.commit, "stale-record")
     except RevisionNotFound as exc:
         raise _explain_missing_revision(repo_id, ref, spec.version, exc) from exc
-    if not isinstance(commit, str) or not is_commit(commit):
+    if not is_commit(commit):
         raise IntegrityError(
             f"{repo_id}@{ref}: the server at {settings.endpoint()} answered a malformed commit "
             f"id {str(commit)[:80]!r} (not 40 lowercase hex digits)",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InvalidSpec
+from .remote_file import is_commit_id
 
 # The Hub's rules for a namespace and a repo name: letters, digits, '-', '_', '.', no leading or
 # trailing '-'/'.', no '--' or '..', at most 96 characters each.
@@ -18,7 +19,6 @@ _NAME = re.compile(r"^(?![-.])(?!.*(--|\.\.))[A-Za-z0-9_.\-]{1,96}(?<![-.])\Z")
 # Patterns kept as strings are compiled on first use (re caches them): a warm get_kernel names
 # no layer and pastes no URL, so it does not pay for them.
 _LAYER = r"^[A-Za-z_][A-Za-z0-9_]*\Z"
-_COMMIT = re.compile(r"^[0-9a-f]{40}\Z")
 _VERSION_BRANCH = re.compile(r"^v(0|[1-9][0-9]{0,8})\Z")
 # Branch and tag names the Hub accepts; git revision expressions (~ ^ : .. @{ and spaces) are not.
 _REVISION = re.compile(r"^(?!.*(\.\.|@\{|//))(?![/.-])[A-Za-z0-9._/\-]{1,255}(?<![/.])\Z")
@@ -71,7 +71,7 @@ def validate_version(version: object) -> int:
 
 def is_commit(revision: str | None) -> bool:
     """True for a full 40-hex commit id (a pinned revision that never moves)."""
-    return revision is not None and bool(_COMMIT.match(revision))
+    return is_commit_id(revision)
 
 
 def version_branch(version: int) -> str:

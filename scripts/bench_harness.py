@@ -116,6 +116,20 @@ def _wall_ms(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def host_us(fn: Callable[[], object], calls: int = 300, warmup: int = 1) -> float:
+    """Host microseconds per call of fn(): `calls` calls back to back, one sync before and after
+    (the GPU keeps up with small work, so this is the CPU's time to issue it)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 _cycles_per_ms: list[float] = []
 
 

@@ -397,6 +397,7 @@ def qwen3_moe_config(layers: int, tiny: bool):
 def build_setup(setup: str, layers: int, tiny: bool, device: str):
     """The model of `setup` in train mode, patched the way that setup's users do it."""
     import torch
+    from bench_harness import TRAINING_VARIANT
     from transformers import AutoModelForCausalLM
 
     config = qwen3_moe_config(layers, tiny)
@@ -423,32 +424,30 @@ def build_setup(setup: str, layers: int, tiny: bool, device: str):
         from transformers.models.qwen3_moe import modeling_qwen3_moe
 
         kernels.replace_kernel_forward_from_hub(modeling_qwen3_moe.Qwen3MoeExperts, "MoEExperts")
-        mapping = {"MoEExperts": {device: LocalLayerRepository(VARIANT, layer_name="MoEExperts")}}
+        mapping = {
+            "MoEExperts": {device: LocalLayerRepository(TRAINING_VARIANT, layer_name="MoEExperts")}
+        }
         with use_kernel_mapping(mapping):
             kernelize(model, mode=Mode.TRAINING, device=device)
-        _check_bound(kernels.last_report(model), layers, ("MoEExperts",))
+        _check_bound(kernels.last_report(model), {"MoEExperts": layers})
     elif setup == "ours-all":
         # The one-line way a user binds every training kernel the model can take (experts,
         # norms, rotary, the fused loss head), served from this checkout's variant folder.
         import kernels
 
-        os.environ["LOCAL_KERNELS"] = f"kernels-lab/training={VARIANT}"
+        os.environ["LOCAL_KERNELS"] = f"kernels-lab/training={TRAINING_VARIANT}"
         report = kernels.apply_training_kernels(model)
-        _check_bound(report, layers, ("MoEExperts", "MoEForCausalLM"))
+        _check_bound(report, {"MoEExperts": layers, "MoEForCausalLM": 1})
     model.train()
     return model
 
 
-VARIANT = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
-
-
-def _check_bound(report, layers: int, names: tuple[str, ...]) -> None:
-    """Refuse a run where `names` did not bind (MoEExperts once per decoder layer)."""
-    for name in names:
+def _check_bound(report, want: dict[str, int]) -> None:
+    """Refuse a run where a layer of `want` did not bind as many times as it says."""
+    for name, count in want.items():
         bound = sum(1 for e in report if e.status == "bound" and e.layer_name == name)
-        want = layers if name == "MoEExperts" else 1
-        if bound != want:
-            raise RuntimeError(f"{name} bound {bound} times, expected {want}:\n{report}")
+        if bound != count:
+            raise RuntimeError(f"{name} bound {bound} times, expected {count}:\n{report}")
     print("bound: " + ", ".join(sorted({e.layer_name for e in report if e.status == "bound"})),
           file=sys.stderr, flush=True)  # fmt: skip
 

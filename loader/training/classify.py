@@ -422,6 +422,7 @@ _PLAIN_CE = re.compile(
     r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
 )
 # Gemma 4's multimodal head binds the soft-cap to a local, read from its (text) config
+_SOFTCAP_USE = re.compile(r"[*/] ?final_logit_softcapping")
 _SOFTCAP_LOCAL = re.compile(
     r"\(final_logit_softcapping := self\.config(\.get_text_config\(\))?\.final_logit_softcapping\)"
 )
@@ -464,7 +465,7 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
             return f"post-processes its logits with `{line.strip()}`", ()
     body = "\n".join(lines[start:end])
     config = getattr(model, "config", None)
-    if re.search(r"[*/] ?final_logit_softcapping", body) and not _SOFTCAP_LOCAL.search(body):
+    if _SOFTCAP_USE.search(body) and not _SOFTCAP_LOCAL.search(body):
         return "scales its logits by a final_logit_softcapping not read from its config", ()
     for attr, holder in (
         ("final_logit_softcapping", softcap_config(config)),

@@ -226,9 +226,9 @@ def probe_mlp(module: nn.Module, fused: bool, scaled: bool = False) -> bool:
         probe._modules["gate_proj"] = _small_linear(module.gate_proj, hidden, inner, gen)
         probe._modules["up_proj"] = _small_linear(module.up_proj, hidden, inner, gen)
     probe._modules["down_proj"] = _small_linear(module.down_proj, inner, hidden, gen)
-    g, d = (0.7, 1.3) if scaled else (1.0, 1.0)
+    g = d = 1.0
     if scaled:
-        probe.gate_multiplier, probe.down_multiplier = g, d
+        g, d = probe.gate_multiplier, probe.down_multiplier = 0.7, 1.3
     act = activation_of(probe)
     x = torch.randn(2, 3, hidden, generator=gen)
     try:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from bench_harness import load_training_kernels  # noqa: E402
+from bench_harness import host_us, load_training_kernels  # noqa: E402
 from triton import knobs  # noqa: E402
 
 DT = torch.bfloat16
@@ -47,17 +47,11 @@ def wrap(fn_cls):
     fn_cls.backward = staticmethod(backward)
 
 
-def host_us(fn, calls=400):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
+def host_and_body_us(fn, calls=400):
+    """(host us per call, median us of the wrapped backward bodies of the timed calls)."""
     BODY.clear()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return host, statistics.median(BODY) * 1e6
+    host = host_us(fn, calls, warmup=20)
+    return host, statistics.median(BODY[20:]) * 1e6
 
 
 @triton.jit
@@ -73,7 +67,6 @@ def launch_costs():
     y, w, r = torch.empty_like(x), torch.ones(128, device="cuda"), torch.empty(64, device="cuda")
     args = (x, y, w, r, 64, 128, 128, 128, 128, 128, 1e-6, 0.0)
     ck = _k14[(64,)](*args, BLOCK=128, MODE=0)
-    stream = torch.cuda.current_stream().cuda_stream
     full = args + (128, 0)
     get_stream = torch._C._cuda_getCurrentRawStream
 
@@ -89,15 +82,8 @@ def launch_costs():
     for name, fn in (("kernel[grid](...)", lambda: _k14[(64,)](*args, BLOCK=128, MODE=0)),
                      ("compiled.run(...) direct", direct),
                      ("torch.empty_like", lambda: torch.empty_like(x))):  # fmt: skip
-        fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(3000):
-            fn()
-        out[name] = (time.perf_counter() - t) / 3000 * 1e6
-        torch.cuda.synchronize()
+        out[name] = host_us(fn, 3000)
     out["direct launch correct"] = ok
-    del stream
     return out
 
 
@@ -125,7 +111,7 @@ def main():
         cells = []
         for threads in (True, False):
             torch.autograd.set_multithreading_enabled(threads)
-            cells += host_us(fb)
+            cells += host_and_body_us(fb)
         torch.autograd.set_multithreading_enabled(True)
         print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
     for name, fb in cases.items():

@@ -14,10 +14,14 @@ import inspect
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_harness import host_us  # noqa: E402
 
 DT = torch.bfloat16
 BODY: list[float] = []
@@ -64,18 +68,6 @@ def make(kind):
     return F.apply
 
 
-def host_us(fn, calls=500):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
 def main():
     print(f"python {sys.version.split()[0]} torch {torch.__version__} triton {triton.__version__}")
     print(f"sys.getswitchinterval() = {sys.getswitchinterval()}")
@@ -89,14 +81,14 @@ def main():
         for threads in (True, False):
             torch.autograd.set_multithreading_enabled(threads)
             BODY.clear()
-            row.append(host_us(fb))
+            row.append(host_us(fb, 500, warmup=20))
             row.append(statistics.median(BODY) * 1e6 if BODY else float("nan"))
         torch.autograd.set_multithreading_enabled(True)
         # The same with a short sys.setswitchinterval: does the GIL hand-off wait for a timeout?
         old = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)
         BODY.clear()
-        row.append(host_us(fb))
+        row.append(host_us(fb, 500, warmup=20))
         sys.setswitchinterval(old)
         rows.append(row)
     print("| backward | host us (engine threads) | body us | host us (1 thread) | body us "

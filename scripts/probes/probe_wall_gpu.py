@@ -17,7 +17,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,21 +24,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from bench_harness import load_training_kernels  # noqa: E402
+from bench_harness import host_us, load_training_kernels  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 DT = torch.bfloat16
-
-
-def host_us(fn, calls=300):
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def grad_fn(fwd, leaves, g):
@@ -139,10 +127,10 @@ def main():
         row["fwd+bwd wall"] = do_bench(fb, warmup=10, rep=50)
         torch.autograd.set_multithreading_enabled(False)
         row["fwd+bwd wall (1 thread)"] = do_bench(fb, warmup=10, rep=50)
-        row["host us fwd+bwd (1 thread)"] = host_us(fb) / 1e3
+        row["host ms fwd+bwd (1 thread)"] = host_us(fb) / 1e3
         torch.autograd.set_multithreading_enabled(True)
-        row["host us fwd"] = host_us(lambda f=fwd: torch.no_grad()(f)()) / 1e3
-        row["host us fwd+bwd"] = host_us(fb) / 1e3
+        row["host ms fwd"] = host_us(lambda f=fwd: torch.no_grad()(f)()) / 1e3
+        row["host ms fwd+bwd"] = host_us(fb) / 1e3
         rows.append(row)
         if name.startswith("ours"):
             profiles[name] = profile(fb)

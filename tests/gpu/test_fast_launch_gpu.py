@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,13 +57,9 @@ def scaled_copy(common):
 
 def run(kernel, x, n, step, scale=2.0, negate=False, block=128):
     y = torch.zeros(n, dtype=x.dtype, device=x.device)
-    kernel[(triton_cdiv(n, block),)](x, y, n, step, scale, BLOCK=block, NEGATE=negate)
+    kernel[(triton.cdiv(n, block),)](x, y, n, step, scale, BLOCK=block, NEGATE=negate)
     ref = x[: n * step : step].float() * scale
     return y, (-ref if negate else ref).to(x.dtype)
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def forbid_triton_path(kernel):
@@ -116,7 +113,7 @@ def test_each_specialisation_change_compiles_anew(scaled_copy, change):
     assert len(scaled_copy.compiled) == known + 1, "a new specialisation must get its own entry"
 
 
-def test_launch_hooks_take_tritons_path(common, scaled_copy):
+def test_launch_hooks_take_tritons_path(scaled_copy):
     """A profiler's launch hook must see every launch: with one set, Triton's path is taken."""
     from tests.gpu.launches import _add_launch_hook
 
@@ -154,3 +151,20 @@ def test_a_launcher_that_refuses_the_arguments_falls_back_for_good(common):
     double[(3,)](x, y, 300, BLOCK=128)
     torch.testing.assert_close(y, 2 * x)
     assert not double.enabled
+
+
+def test_a_constexpr_passed_by_position_is_never_replayed(common):
+    """The key does not hold constexpr values given by position: such a launch takes Triton's
+    path each time, so a second value compiles its own kernel instead of reusing the first."""
+    import triton.language as tl
+
+    @common.fast_launch
+    @triton.jit
+    def fill(Y, n, VALUE: tl.constexpr):
+        offs = tl.arange(0, 128)
+        tl.store(Y + offs, tl.full([128], VALUE, tl.float32), mask=offs < n)
+
+    y = torch.zeros(128, device="cuda")
+    for value in (1, 2, 3):
+        fill[(1,)](y, 100, value)
+        assert torch.all(y[:100] == value)

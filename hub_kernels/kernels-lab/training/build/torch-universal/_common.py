@@ -187,6 +187,8 @@ class FastLaunch:
     def _plan(self, args: tuple, kwargs: dict, kernel) -> tuple | None:
         """(kernel, the trailing arguments after `args`) or None when the launch cannot be
         replayed from the key alone (a keyword that is a runtime argument)."""
+        if any(getattr(p, "is_constexpr", False) for p in self.fn.params[: len(args)]):
+            return None  # a constexpr passed by position: its value is not in the key
         if self._params is None:
             self._params = list(inspect.signature(self.fn.fn).parameters.values())
         tail = []

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, fast_launch, sm_count, use_triton
+from ._common import cdiv, fast_launch, next_pow2, sm_count, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -387,8 +387,6 @@ def _ce_fwd_kernel(
 #
 # Rows whose byte offset is not 16-byte aligned (a vocabulary such as 50257) are read from the
 # aligned address below the row start (ALIGN), so the full blocks still use 16-byte accesses.
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -783,10 +781,6 @@ class CEConfig:
             raise ValueError(f"lag must be at least 1, got {self.lag}")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 CONFIG_ENV = "KERNELS_CE_CONFIG"
 
 
@@ -835,10 +829,10 @@ def default_config(vocab: int, device: torch.device) -> CEConfig:
         # The interpreter: a row that fits one block takes the one-pass path; a wider row is
         # split over programs of two blocks each, and the last one to finish writes the row.
         if vocab <= 1024:
-            block = _next_pow2(vocab)
+            block = next_pow2(vocab)
             return CEConfig(chunk=block, block=block, num_warps=4, one_pass=True)
         return CEConfig(chunk=1024, block=512, num_warps=4)
-    block = min(_next_pow2(vocab), 2048)
+    block = min(next_pow2(vocab), 2048)
     chunk = min(cdiv(vocab, block) * block, 8192)
     return CEConfig(chunk=chunk, block=block, num_warps=4, spin=True)
 
@@ -941,7 +935,7 @@ def ce_rows(
         float(softcap) if softcap else 1.0,
         CHUNK=cfg.chunk,
         NUM_CHUNKS=num_chunks,
-        NC_POW2=max(2, _next_pow2(num_chunks)),
+        NC_POW2=max(2, next_pow2(num_chunks)),
         BLOCK=cfg.block,
         HAS_SOFTCAP=bool(softcap),
         HAS_SMOOTHING=label_smoothing != 0.0,
@@ -1000,7 +994,7 @@ def _lean_rows(
         float(softcap) if softcap else 1.0,
         CHUNK=cfg.chunk,
         NUM_CHUNKS=num_chunks,
-        NC_POW2=max(2, _next_pow2(num_chunks)),
+        NC_POW2=max(2, next_pow2(num_chunks)),
         R=cfg.block // kw,
         KW=kw,
         HAS_SOFTCAP=bool(softcap),

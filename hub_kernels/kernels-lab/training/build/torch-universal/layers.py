@@ -19,13 +19,14 @@ from ._common import has_hooks
 from .add_rms_norm import fused_add_rms_norm
 from .gated_mlp import gated_mlp
 from .layer_norm import layer_norm
+from .relu_squared_mlp import relu_squared_mlp
 from .rms_norm import rms_norm
 from .rope import (
     apply_interleaved_rotary_pos_emb,
     apply_partial_rotary_pos_emb,
     apply_rotary_pos_emb,
 )
-from .swiglu import GELU_ERF, GELU_TANH, SILU, gelu_mul, glu_halves, silu, silu_mul
+from .swiglu import GELU_ERF, GELU_TANH, SILU, gelu_mul, glu_halves, relu_squared, silu, silu_mul
 
 _SILU_CLASSES = {"SiLUActivation", "SiLU"}
 # Classes whose function is 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))).
@@ -45,13 +46,12 @@ def _act(module: nn.Module) -> nn.Module:
     return getattr(module, "activation_fn", None) if act is None else act
 
 
-def _glu_code(module: nn.Module) -> tuple[int, str]:
-    """(the fused kernel's activation code, GELU's approximate) for the module's act_fn."""
+def _glu_code(module: nn.Module) -> int:
+    """The fused kernel's activation code for the module's act_fn."""
     act = _act(module)
     if type(act).__name__ in _SILU_CLASSES:
-        return SILU, ""
-    approximate = _gelu_approximate(act)
-    return (GELU_TANH if approximate == "tanh" else GELU_ERF), approximate
+        return SILU
+    return GELU_TANH if _gelu_approximate(act) == "tanh" else GELU_ERF
 
 
 # The RMSNorm kernel's casting modes (a newer kernel build); without them, "weight in fp32,
@@ -299,7 +299,7 @@ class FusedGeGLUMLP(nn.Module):
 def fused_gate_up_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """down(act(gate) * up) with gate, up the halves of gate_up_proj(x), the product fused;
     d(gate_up) written over gate_up's output where that output is private (see below)."""
-    code = _glu_code(module)[0]
+    code = _glu_code(module)
     gate_up = module.gate_up_proj(x)
     product = glu_halves(gate_up, code, in_place=_outputs_private(module.gate_up_proj))
     return module.down_proj(product)
@@ -392,8 +392,6 @@ class ScaledSwiGLUMLP(nn.Module):
 
 
 # ReLU² (Nemotron's "relu2"): the activation alone, and the whole non-gated MLP around it.
-from .relu_squared_mlp import relu_squared_mlp  # noqa: E402
-from .swiglu import relu_squared  # noqa: E402
 
 
 class ReLUSquared(nn.Module):

@@ -167,8 +167,7 @@ def _state(cos: torch.Tensor, sin: torch.Tensor) -> tuple:
     """What a kept answer depends on besides identity: the version counters (in-place ops) and
     the memory viewed (``.data =`` and ``swap_tensors`` keep the object but change it; the
     data pointer includes the storage offset)."""
-    # tuple(shape): comparing torch.Size objects runs symbolic-shape Python on every call
-    return tuple((t._version, t.data_ptr(), tuple(t.shape), t.stride()) for t in (cos, sin))
+    return tuple((t._version, t.data_ptr(), t.shape, t.stride()) for t in (cos, sin))
 
 
 class _HalvesCheck:
@@ -241,9 +240,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def triton_supported(q, k, cos, sin, unsqueeze_dim: int) -> bool:
     """Whether the Triton kernel covers this call (else the caller uses the torch composite)."""
-    # Shapes compared as tuples of ints: comparing torch.Size objects runs symbolic-shape
-    # Python on every call (host time counts at small batch).
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or tuple(sin.shape) != tuple(cos.shape):
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return False
     if unsqueeze_dim not in (1, 2) or not (use_triton(q) and q.device == k.device == cos.device):
         return False
@@ -276,8 +273,6 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
     qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
     b, hq, t, d = qv.shape
     hk = kv.shape[1]
-    if qov.stride(-1) != 1 or kov.stride(-1) != 1:
-        raise ValueError("rotary_pos_emb needs q and k with a unit stride along head_dim")
     n_tokens = b * t
     if n_tokens == 0 or hq + hk == 0:
         return qo, ko
