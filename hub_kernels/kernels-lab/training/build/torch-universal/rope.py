@@ -20,7 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, fast_launch, next_pow2, op_name, pick_config, use_triton
+from ._common import (
+    as_rows,
+    cdiv,
+    fast_launch,
+    graph_is_freed,
+    next_pow2,
+    op_name,
+    pick_config,
+    use_triton,
+)
 
 
 @triton.jit
@@ -263,12 +272,18 @@ def _out_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
+def rotate(
+    q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, in_place=(False, False)
+):
     """Triton rotation of q and k (the inverse rotation when `backward`).
 
     `repeats`: what halves_repeat answers (asked by default): True, False, None or a device flag.
+    `in_place`: per tensor, write the rotation over it (head_dim of unit stride, no two elements
+    at one address; each program reads its elements before it writes them) instead of into a
+    new tensor; the caller owns the aliasing and the version counter.
     """
-    qo, ko = _out_like(q), _out_like(k)
+    qo = q if in_place[0] else _out_like(q)
+    ko = k if in_place[1] else _out_like(k)
     qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
     qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
     b, hq, t, d = qv.shape
@@ -358,8 +373,73 @@ def _backward(ctx, dq, dk):
 rope.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --- In place (eager path) ------------------------------------------------------------------
+#
+# The forward writes the rotation over q and k where it may, and the backward writes the
+# gradient over the incoming one where nothing else can read it, so a fwd+bwd allocates nothing
+# (Liger's RoPE does the same, without the checks). The outputs returned to autograd are aliases
+# of q and k (autograd views an unmodified input it gets back), so the graph stays
+# q -> rope -> output; q's version counter (shared by every view of its storage) is bumped, so
+# anything that saved q, or any view of its memory, for its backward raises autograd's
+# "modified by an inplace operation" error instead of computing a gradient from rotated values.
+# What the counter cannot see is a later *forward* read of the old q object: callers must use
+# the returned tensors, not q and k, after the call (transformers' call sites rebind the names).
+
+
+def _own_memory(x: torch.Tensor) -> bool:
+    """Whether x's memory may take its rotation: x covers all of the storage region of the
+    tensor it views (a strict part, e.g. q[..., :d] or a split of a fused qkv, would bump the
+    version of the rest too, which autograd refuses for split outputs), no other tensor holds
+    that storage, x is no leaf that requires grad (a parameter or an input the user holds), not
+    an inference tensor (no version counter), and dense with a unit head_dim stride (each
+    element once, where the kernel writes)."""
+    if x.stride(-1) != 1 or x.is_inference():
+        return False
+    if x.requires_grad and x.is_leaf:
+        return False
+    base = x._base
+    if base is not None:
+        if base.requires_grad and base.is_leaf:
+            return False
+        if base.numel() != x.numel() or base.storage_offset() != x.storage_offset():
+            return False
+        if torch._debug_has_internal_overlap(base) != 0:  # 0: dense, without overlap
+            return False
+    # Holders of the storage: x, its base, the storage object made here; no other tensor. An op
+    # that saved its output for its backward (a sigmoid, a norm keeping its output as q_norm)
+    # holds one more, as does another live view: in place would turn their backward into
+    # autograd's error, so the rotation takes a new buffer.
+    holders = 2 if base is None else 3
+    if torch._C._storage_Use_Count(x.untyped_storage()._cdata) != holders:
+        return False
+    return torch._debug_has_internal_overlap(x) == 0
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dense tensors' memory ranges meet (q and k carved from one buffer)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _private_grad(g: torch.Tensor) -> bool:
+    """Whether the incoming gradient g may be overwritten: the test autograd's engine applies
+    before it accumulates into a gradient in place (one reference to g's tensor, one tensor on
+    its storage), and dense with a unit head_dim stride. A root gradient the caller passed
+    (``backward(g)``), a gradient another node still waits for (``a + q_rot`` hands one tensor to
+    both), a view of a larger gradient or an expanded one all fail it. A Python reference kept
+    by a tensor hook is not counted, as for the engine's own in-place accumulation: a hook that
+    keeps a gradient must clone it."""
+    if g._use_count() != 1 or g.stride(-1) != 1:
+        return False
+    # One holder besides the storage object made here: g itself.
+    if torch._C._storage_Use_Count(g.untyped_storage()._cdata) != 2:
+        return False
+    return torch._debug_has_internal_overlap(g) == 0
+
+
 class _RopeFunction(torch.autograd.Function):
-    """The eager path: the same kernel without the custom-op dispatch cost on every call."""
+    """The eager path: the same kernel without the custom-op dispatch cost on every call, in
+    place where that is safe (see above)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, unsqueeze_dim):
@@ -370,12 +450,28 @@ class _RopeFunction(torch.autograd.Function):
         # refuses the backward if an in-place op changed them. A device flag may still be in
         # flight on another stream by then, so the backward asks again.
         ctx.repeats = repeats if isinstance(repeats, bool) else _ASK
-        return rotate(q, k, cos, sin, unsqueeze_dim, False, repeats=repeats)
+        in_q, in_k = _own_memory(q), _own_memory(k)
+        if in_q and in_k and _overlap(q, k):
+            in_q = in_k = False
+        qo, ko = rotate(
+            q, k, cos, sin, unsqueeze_dim, False, repeats=repeats, in_place=(in_q, in_k)
+        )
+        # The Triton kernel wrote behind autograd's back: bump the counters it would have.
+        if in_q:
+            torch.autograd.graph.increment_version(q)
+        if in_k:
+            torch.autograd.graph.increment_version(k)
+        return qo, ko
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        dq, dk = rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats)
+        # retain_graph / create_graph: the gradients may be read again; new buffers then.
+        freed = graph_is_freed()
+        in_place = (freed and _private_grad(dq), freed and _private_grad(dk))
+        dq, dk = rotate(
+            dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats, in_place=in_place
+        )
         return dq, dk, None, None, None
 
 
