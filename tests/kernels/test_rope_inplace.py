@@ -120,9 +120,9 @@ def _fallback_inputs(case: str):
         )
         return qb.view(B, T, HQ, D).transpose(1, 2), kb.view(B, T, HK, D).transpose(1, 2), [qb, kb]
     if case == "split of fused qkv":  # DeepSeek/phi3: other parts of the buffer are read later
-        qkv = x @ torch.cat((wq, wk)).T
-        q, k = qkv.split([HQ * D, HK * D], dim=-1)
-        return q.reshape(B, T, HQ, D).transpose(1, 2), k.reshape(B, T, HK, D).transpose(1, 2), [x]
+        qkv = (x @ torch.cat((wq, wk)).T).view(B, T, HQ + HK, D)
+        q, k = qkv.split([HQ, HK], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), [x]
     if case == "q is k":
         q = (x @ wq.T).view(B, T, HQ, D).transpose(1, 2)
         return q, q, [x]

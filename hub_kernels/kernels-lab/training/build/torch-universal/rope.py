@@ -387,32 +387,26 @@ rope.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _own_memory(x: torch.Tensor) -> bool:
-    """Whether x's memory may take its rotation: x covers all of the storage region of the
-    tensor it views (a strict part, e.g. q[..., :d] or a split of a fused qkv, would bump the
-    version of the rest too, which autograd refuses for split outputs), no other tensor holds
-    that storage, x is no leaf that requires grad (a parameter or an input the user holds), not
-    an inference tensor (no version counter), and dense with a unit head_dim stride (each
-    element once, where the kernel writes)."""
+    """Whether x's memory may take its rotation: no other tensor holds x's storage (only x and
+    the tensor it views), x is no leaf that requires grad, nor a view of one (a parameter or an
+    input the user holds), not an inference tensor (no version counter to bump), and dense with
+    a unit head_dim stride (each element once, where the kernel writes)."""
     if x.stride(-1) != 1 or x.is_inference():
         return False
     if x.requires_grad and x.is_leaf:
         return False
     base = x._base
-    if base is not None:
-        if base.requires_grad and base.is_leaf:
-            return False
-        if base.numel() != x.numel() or base.storage_offset() != x.storage_offset():
-            return False
-        if torch._debug_has_internal_overlap(base) != 0:  # 0: dense, without overlap
-            return False
-    # Holders of the storage: x, its base, the storage object made here; no other tensor. An op
-    # that saved its output for its backward (a sigmoid, a norm keeping its output as q_norm)
-    # holds one more, as does another live view: in place would turn their backward into
-    # autograd's error, so the rotation takes a new buffer.
+    if base is not None and base.requires_grad and base.is_leaf:
+        return False
+    # Holders of the storage: x, its base, the storage object made here. Any other is a tensor
+    # that could read the memory after the rotation: an op that saved its output for its
+    # backward (a sigmoid; MemoryEfficientRMSNorm as q_norm), a sibling view (a split of a fused
+    # qkv, whose outputs autograd forbids to change under a bumped version counter), a view the
+    # caller kept. In place would turn their backward into autograd's error: a new buffer then.
     holders = 2 if base is None else 3
     if torch._C._storage_Use_Count(x.untyped_storage()._cdata) != holders:
         return False
-    return torch._debug_has_internal_overlap(x) == 0
+    return torch._debug_has_internal_overlap(x) == 0  # 0: no two elements share an address
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
