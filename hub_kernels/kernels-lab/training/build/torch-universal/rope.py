@@ -2,8 +2,10 @@
 
 Same contract as transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``:
 q [B, Hq, T, D] and k [B, Hk, T, D] (any strides, typically transposed views of [B, T, H, D]),
-cos/sin [B or 1, T, D]; with ``unsqueeze_dim=2`` q and k are [B, T, H, D]. Outputs are new
-tensors laid out like q and k. One program rotates every q and k head of a few tokens, so cos and
+cos/sin [B or 1, T, D]; with ``unsqueeze_dim=2`` q and k are [B, T, H, D]. In eager mode the
+rotation is written over q's and k's own memory where that is safe (see "In place" below; the
+outputs then alias q and k, so read the returned tensors, not q and k, after the call), else
+into new tensors laid out like q and k. One program rotates every q and k head of a few tokens, so cos and
 sin are read once per token. Any cos/sin works: a one-launch check, kept per cos/sin pair, finds
 whether every row repeats its first half (transformers' ``cat(freqs, freqs)``); then the kernel
 skips reading the second halves. Its answer is copied to the host without waiting; until it lands
@@ -472,7 +474,10 @@ class _RopeFunction(torch.autograd.Function):
 def apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' apply_rotary_pos_emb; the Triton kernel where it applies, else torch ops."""
+    """transformers' apply_rotary_pos_emb; the Triton kernel where it applies, else torch ops.
+
+    In eager mode the rotation may be written over q and k themselves (where safe; see the
+    module docstring): read the returned tensors, not q and k, after the call."""
     if not triton_supported(q, k, cos, sin, unsqueeze_dim):
         return composite(q, k, cos, sin, unsqueeze_dim)
     if torch.compiler.is_compiling():
