@@ -1,5 +1,6 @@
 """Whole tiny Llama and Qwen3 with transformers' apply_rotary_pos_emb replaced by the kernel
-(in place: q/k are the projections' views, Qwen3's through its q_norm/k_norm): the loss and
+(in place: q/k are the projections' views, Qwen3's through its q_norm/k_norm), also under
+gradient checkpointing (the layer's forward runs again inside the backward): the loss and
 every parameter's gradient match the plain model in fp32, and the in-place path did run."""
 
 from __future__ import annotations
@@ -15,14 +16,21 @@ from _training_refs import assert_close
 from tests.models.registry import VOCAB, build
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_tiny_model_matches_the_plain_one(kt, model_type, monkeypatch):
+@pytest.mark.parametrize(
+    "model_type, checkpointing",
+    [("llama", None), ("qwen3", None), ("llama", "non-reentrant"), ("qwen3", "reentrant")],
+)
+def test_tiny_model_matches_the_plain_one(kt, model_type, checkpointing, monkeypatch):
     rope = sys.modules[kt.__name__ + ".rope"]
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     plain = build(model_type)
     ours = copy.deepcopy(plain)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     plain.train(), ours.train()
+    if checkpointing:
+        kwargs = {"use_reentrant": checkpointing == "reentrant"}
+        for model in (plain, ours):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     ref = plain(input_ids=ids, labels=ids).loss
     ref.backward()
 
