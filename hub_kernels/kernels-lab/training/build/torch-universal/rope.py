@@ -5,8 +5,8 @@ q [B, Hq, T, D] and k [B, Hk, T, D] (any strides, typically transposed views of 
 cos/sin [B or 1, T, D]; with ``unsqueeze_dim=2`` q and k are [B, T, H, D]. In eager mode the
 rotation is written over q's and k's own memory where that is safe (see "In place" below; the
 outputs then alias q and k, so read the returned tensors, not q and k, after the call), else
-into new tensors laid out like q and k. One program rotates every q and k head of a few tokens, so cos and
-sin are read once per token. Any cos/sin works: a one-launch check, kept per cos/sin pair, finds
+into new tensors laid out like q and k. One program rotates every q and k head of a few
+tokens, so cos and sin are read once per token. Any cos/sin works: a one-launch check, kept per cos/sin pair, finds
 whether every row repeats its first half (transformers' ``cat(freqs, freqs)``); then the kernel
 skips reading the second halves. Its answer is copied to the host without waiting; until it lands
 the kernel reads it from the device (on the check's stream; on another, both halves are read). The rotation is computed in the inputs' dtype, as
@@ -462,7 +462,8 @@ class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        # retain_graph / create_graph: the gradients may be read again; new buffers then.
+        # retain_graph (the graph runs again) or create_graph (the gradients are themselves
+        # in a graph): new buffers, as the other in-place backwards do.
         freed = graph_is_freed()
         in_place = (freed and _private_grad(dq), freed and _private_grad(dk))
         dq, dk = rotate(
