@@ -306,3 +306,12 @@ def pick_config(
     choice = candidates[times.index(min(times))]
     _CHOICES[key] = choice
     return choice
+
+
+def graph_is_freed() -> bool:
+    """Whether the running backward frees its graph (no ``retain_graph=True``): only then is a
+    saved activation read for the last time, and may its buffer take a gradient."""
+    # A private hook of the autograd engine: without it, in place goes ahead and the bumped
+    # version counter turns a second backward into autograd's error, never a wrong gradient.
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep_graph is None or not keep_graph()

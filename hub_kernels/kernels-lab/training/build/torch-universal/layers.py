@@ -154,7 +154,8 @@ class FusedAddRMSNorm(nn.Module):
 class rotary_pos_emb(nn.Module):  # noqa: N801 - the layer name transformers asks for
     """transformers' apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1); with cos narrower
     than the head (partial rotary: phi3, stablelm, ...) the first cos.shape[-1] dims rotate and
-    the rest pass through."""
+    the rest pass through. q and k may be rotated in place (rope.py says when): transformers'
+    call sites rebind their names to the results."""
 
     has_backward = True
     can_torch_compile = True

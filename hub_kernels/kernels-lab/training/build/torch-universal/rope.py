@@ -2,9 +2,11 @@
 
 Same contract as transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``:
 q [B, Hq, T, D] and k [B, Hk, T, D] (any strides, typically transposed views of [B, T, H, D]),
-cos/sin [B or 1, T, D]; with ``unsqueeze_dim=2`` q and k are [B, T, H, D]. Outputs are new
-tensors laid out like q and k. One program rotates every q and k head of a few tokens, so cos and
-sin are read once per token. Any cos/sin works: a one-launch check, kept per cos/sin pair, finds
+cos/sin [B or 1, T, D]; with ``unsqueeze_dim=2`` q and k are [B, T, H, D]. In eager mode the
+rotation is written over q's and k's own memory where that is safe (see "In place" below; the
+outputs then alias q and k, so read the returned tensors, not q and k, after the call), else
+into new tensors laid out like q and k. One program rotates every q and k head of a few
+tokens, so cos and sin are read once per token. Any cos/sin works: a one-launch check, kept per cos/sin pair, finds
 whether every row repeats its first half (transformers' ``cat(freqs, freqs)``); then the kernel
 skips reading the second halves. Its answer is copied to the host without waiting; until it lands
 the kernel reads it from the device (on the check's stream; on another, both halves are read). The rotation is computed in the inputs' dtype, as
@@ -20,7 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, fast_launch, next_pow2, op_name, pick_config, use_triton
+from ._common import (
+    as_rows,
+    cdiv,
+    fast_launch,
+    graph_is_freed,
+    next_pow2,
+    op_name,
+    pick_config,
+    use_triton,
+)
 
 
 @triton.jit
@@ -263,12 +274,18 @@ def _out_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
+def rotate(
+    q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, in_place=(False, False)
+):
     """Triton rotation of q and k (the inverse rotation when `backward`).
 
     `repeats`: what halves_repeat answers (asked by default): True, False, None or a device flag.
+    `in_place`: per tensor, write the rotation over it (head_dim of unit stride, no two elements
+    at one address; each program reads its elements before it writes them) instead of into a
+    new tensor; the caller owns the aliasing and the version counter.
     """
-    qo, ko = _out_like(q), _out_like(k)
+    qo = q if in_place[0] else _out_like(q)
+    ko = k if in_place[1] else _out_like(k)
     qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
     qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
     b, hq, t, d = qv.shape
@@ -358,8 +375,67 @@ def _backward(ctx, dq, dk):
 rope.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --- In place (eager path) ------------------------------------------------------------------
+#
+# The forward writes the rotation over q and k where it may, and the backward writes the
+# gradient over the incoming one where nothing else can read it, so a fwd+bwd allocates nothing
+# (Liger's RoPE does the same, without the checks). The outputs returned to autograd are aliases
+# of q and k (autograd views an unmodified input it gets back), so the graph stays
+# q -> rope -> output; q's version counter (shared by every view of its storage) is bumped, so
+# anything that saved q, or any view of its memory, for its backward raises autograd's
+# "modified by an inplace operation" error instead of computing a gradient from rotated values.
+# What the counter cannot see is a later *forward* read of the old q object: callers must use
+# the returned tensors, not q and k, after the call (transformers' call sites rebind the names).
+
+
+def _own_memory(x: torch.Tensor) -> bool:
+    """Whether x's memory may take its rotation: no other tensor holds x's storage (only x and
+    the tensor it views), x is no leaf that requires grad, nor a view of one (a parameter or an
+    input the user holds), not an inference tensor (no version counter to bump), and dense with
+    a unit head_dim stride (each element once, where the kernel writes)."""
+    if x.stride(-1) != 1 or x.is_inference():
+        return False
+    if x.requires_grad and x.is_leaf:
+        return False
+    base = x._base
+    if base is not None and base.requires_grad and base.is_leaf:
+        return False
+    # Holders of the storage: x, its base, the storage object made here. Any other is a tensor
+    # that could read the memory after the rotation: an op that saved its output for its
+    # backward (a sigmoid; MemoryEfficientRMSNorm as q_norm), a sibling view (a split of a fused
+    # qkv, whose outputs autograd forbids to change under a bumped version counter), a view the
+    # caller kept. In place would turn their backward into autograd's error: a new buffer then.
+    holders = 2 if base is None else 3
+    if torch._C._storage_Use_Count(x.untyped_storage()._cdata) != holders:
+        return False
+    return torch._debug_has_internal_overlap(x) == 0  # 0: no two elements share an address
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dense tensors' memory ranges meet (q and k carved from one buffer)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _private_grad(g: torch.Tensor) -> bool:
+    """Whether the incoming gradient g may be overwritten: the test autograd's engine applies
+    before it accumulates into a gradient in place (one reference to g's tensor, one tensor on
+    its storage), and dense with a unit head_dim stride. A root gradient the caller passed
+    (``backward(g)``), a gradient another node still waits for (``a + q_rot`` hands one tensor to
+    both), a view of a larger gradient or an expanded one all fail it. A Python reference kept
+    by a tensor hook is not counted, as for the engine's own in-place accumulation: a hook that
+    keeps a gradient must clone it."""
+    if g._use_count() != 1 or g.stride(-1) != 1:
+        return False
+    # One holder besides the storage object made here: g itself.
+    if torch._C._storage_Use_Count(g.untyped_storage()._cdata) != 2:
+        return False
+    return torch._debug_has_internal_overlap(g) == 0
+
+
 class _RopeFunction(torch.autograd.Function):
-    """The eager path: the same kernel without the custom-op dispatch cost on every call."""
+    """The eager path: the same kernel without the custom-op dispatch cost on every call, in
+    place where that is safe (see above)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, unsqueeze_dim):
@@ -370,19 +446,39 @@ class _RopeFunction(torch.autograd.Function):
         # refuses the backward if an in-place op changed them. A device flag may still be in
         # flight on another stream by then, so the backward asks again.
         ctx.repeats = repeats if isinstance(repeats, bool) else _ASK
-        return rotate(q, k, cos, sin, unsqueeze_dim, False, repeats=repeats)
+        in_q, in_k = _own_memory(q), _own_memory(k)
+        if in_q and in_k and _overlap(q, k):
+            in_q = in_k = False
+        qo, ko = rotate(
+            q, k, cos, sin, unsqueeze_dim, False, repeats=repeats, in_place=(in_q, in_k)
+        )
+        # The Triton kernel wrote behind autograd's back: bump the counters it would have.
+        if in_q:
+            torch.autograd.graph.increment_version(q)
+        if in_k:
+            torch.autograd.graph.increment_version(k)
+        return qo, ko
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        dq, dk = rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats)
+        # retain_graph (the graph runs again) or create_graph (the gradients are themselves
+        # in a graph): new buffers, as the other in-place backwards do.
+        freed = graph_is_freed()
+        in_place = (freed and _private_grad(dq), freed and _private_grad(dk))
+        dq, dk = rotate(
+            dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats, in_place=in_place
+        )
         return dq, dk, None, None, None
 
 
 def apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' apply_rotary_pos_emb; the Triton kernel where it applies, else torch ops."""
+    """transformers' apply_rotary_pos_emb; the Triton kernel where it applies, else torch ops.
+
+    In eager mode the rotation may be written over q and k themselves (where safe; see the
+    module docstring): read the returned tensors, not q and k, after the call."""
     if not triton_supported(q, k, cos, sin, unsqueeze_dim):
         return composite(q, k, cos, sin, unsqueeze_dim)
     if torch.compiler.is_compiling():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, fast_launch, flat, op_name, use_triton
+from ._common import as_rows, cdiv, fast_launch, flat, graph_is_freed, op_name, use_triton
 
 SILU, GELU_TANH, GELU_ERF, RELU_SQUARED = 0, 1, 2, 3
 
@@ -356,15 +356,6 @@ act_fwd.register_autograd(_act_backward, setup_context=_act_setup)
 
 
 # autograd.Functions: the eager path, without the custom-op dispatch cost on every call.
-
-
-def graph_is_freed() -> bool:
-    """Whether the running backward frees its graph (no ``retain_graph=True``): only then is a
-    saved activation read for the last time, and may its buffer take a gradient."""
-    # A private hook of the autograd engine: without it, in place goes ahead and the bumped
-    # version counter turns a second backward into autograd's error, never a wrong gradient.
-    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return keep_graph is None or not keep_graph()
 
 
 def _can_overwrite(a: torch.Tensor, b: torch.Tensor, dc: torch.Tensor) -> bool:

@@ -1,0 +1,101 @@
+"""RoPE in place on the GPU at the benchmark's anchor shape (q 8x32x2048x128, k 8x8x2048x128,
+bf16): a fwd+bwd through the rotation peaks no higher than the same fwd+bwd without it (out of
+place it allocates new q, k in the forward and new dq, dk in the backward: 160 MiB), and the
+gradients still match float64. Run in its own pytest process: python -m pytest tests/gpu."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+VARIANT = (
+    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
+)
+B, T, HQ, HK, D = 8, 2048, 32, 8, 128
+DT = torch.bfloat16
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def kt():
+    name = "_kernels_training_rope_memory_gpu_test"
+    spec = importlib.util.spec_from_file_location(
+        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _inputs(seed: int = 0):
+    """Leaves, q/k as transformers passes them (non-leaf [B, H, T, D] views of a [B, T, H*D]
+    projection-like output), cos/sin, and the upstream gradients."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=DT, generator=gen)
+
+    xq, xk = randn(B, T, HQ * D).requires_grad_(), randn(B, T, HK * D).requires_grad_()
+    angles = torch.rand(B, T, D // 2, device="cuda", generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    grads = randn(B, HQ, T, D), randn(B, HK, T, D)
+    return (xq, xk), (emb.cos().to(DT), emb.sin().to(DT)), grads
+
+
+def _fwd_bwd(kt, leaves, cos_sin, grads, rope: bool):
+    xq, xk = leaves
+    # The projections' outputs (their own allocation, before the rotation as in a model).
+    q = (xq * 1.0).view(B, T, HQ, D).transpose(1, 2)
+    k = (xk * 1.0).view(B, T, HK, D).transpose(1, 2)
+    if rope:
+        q, k = kt.apply_rotary_pos_emb(q, k, *cos_sin)
+    # Upstream gradients made by an op's backward, as attention's are (not passed as roots).
+    ((q * grads[0]).sum() + (k * grads[1]).sum()).backward()
+
+
+def _peak_mib(fn) -> float:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / MIB
+
+
+def test_rope_fwd_bwd_allocates_nothing_at_the_anchor_shape(kt):
+    leaves, cos_sin, grads = _inputs()
+    peaks = {}
+    for rope in (False, True):
+        _fwd_bwd(kt, leaves, cos_sin, grads, rope)  # warm: compile, tune, the halves check
+        for x in leaves:
+            x.grad = None
+        peaks[rope] = _peak_mib(lambda r=rope: _fwd_bwd(kt, leaves, cos_sin, grads, r))
+        for x in leaves:
+            x.grad = None
+    # The halves check's one-int flag may take an allocator block; q and k alone are 80 MiB.
+    assert peaks[True] - peaks[False] <= 1.0, peaks
+
+
+def test_rope_in_place_gradients_match_float64(kt):
+    leaves, cos_sin, grads = _inputs(1)
+    _fwd_bwd(kt, leaves, cos_sin, grads, True)
+    cos, sin = (t.double().unsqueeze(1) for t in cos_sin)
+    for x, g, h in zip(leaves, grads, (HQ, HK), strict=True):
+        x64 = x.detach().double().requires_grad_()
+        r = x64.view(B, T, h, D).transpose(1, 2)
+        rot = torch.cat((-r[..., D // 2 :], r[..., : D // 2]), dim=-1)
+        ((r * cos + rot * sin) * g.double()).sum().backward()
+        err = ((x.grad.double() - x64.grad).norm() / x64.grad.norm()).item()
+        assert err <= 1e-2, f"relative error {err:.2e} > 1e-2"
