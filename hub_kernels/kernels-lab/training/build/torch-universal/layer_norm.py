@@ -62,11 +62,13 @@ def _load_rows(
 
 
 @triton.jit
-def _weight(W, cols, cmask, HAS_W: tl.constexpr):
-    """w in fp32 (1.0 without a weight: then it is never read)."""
+def _weight(W, cols, cmask, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr):
+    """w in fp32 (ones without a weight: then it is never read)."""
     if HAS_W:
-        return tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    return 1.0
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        w = tl.full([BLOCK_N], 1.0, tl.float32)
+    return w
 
 
 @triton.jit
@@ -95,7 +97,7 @@ def _layer_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if RELOAD < 2:
-        w = _weight(W, cols, cmask, HAS_W)
+        w = _weight(W, cols, cmask, BLOCK_N, HAS_W)
     # ACC_2D: per-row partials reduced once at the end (see rms_norm).
     if ACC_2D:
         dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -122,7 +124,7 @@ def _layer_norm_bwd_kernel(
         rows = r0 + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & cmask[None, :]
         if RELOAD == 2:
-            w = _weight(W, cols, cmask, HAS_W)
+            w = _weight(W, cols, cmask, BLOCK_N, HAS_W)
         dy, xhat, g = _row_terms(dy, x, mean, rstd, w, mask, HAS_W)
         c1 = tl.sum(g * xhat, axis=1) / N
         c2 = tl.sum(g, axis=1) / N
@@ -133,7 +135,7 @@ def _layer_norm_bwd_kernel(
                 "evict_first",
             )  # fmt: skip
             if RELOAD == 2:
-                w = _weight(W, cols, cmask, HAS_W)
+                w = _weight(W, cols, cmask, BLOCK_N, HAS_W)
             dy, xhat, g = _row_terms(dy, x, mean, rstd, w, mask, HAS_W)
         dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         dx_ptr = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
