@@ -78,3 +78,15 @@ def test_without_dw_several_programs_per_sm_stay_candidates(kt):
     for n in (128, 1000, 4096, 5000, 8192, 9000, 16384, 40000):
         for m in (1024, 16384):
             assert all(c["per_sm"] == 1 for c in mod.bwd_candidates(m, n)), (m, n)
+
+
+def test_stages_geometries_fit_in_shared_memory(kt):
+    """The STAGES buffers of every listed geometry fit in STAGE_BYTES_MAX for the row tensors
+    given (bf16 rows keep them at hidden 16384; fp32 rows there drop them)."""
+    mod = module(kt, "rms_norm")
+    for row_bytes in (4, 6, 8, 12):  # bf16 dy and x; + a bf16 ds; fp32 dy and x; + an fp32 ds
+        for n in (1000, 4096, 5000, 8192, 9000, 16384):
+            for cfg in mod.bwd_candidates(4096, n, row_bytes=row_bytes):
+                assert mod.stage_bytes(cfg, n, row_bytes) <= mod.STAGE_BYTES_MAX, (row_bytes, cfg)
+    assert any(c["STAGES"] > 1 for c in mod.bwd_candidates(4096, 16384, row_bytes=4))
+    assert all(c["STAGES"] == 1 for c in mod.bwd_candidates(4096, 16384, row_bytes=8))

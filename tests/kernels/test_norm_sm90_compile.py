@@ -35,3 +35,6 @@ def test_every_wide_row_geometry_compiles_for_sm90(kt):
     rows = [line for line in run.stdout.splitlines() if line.startswith(("| RMSNorm", "| Layer"))]
     expected = 2 * sum(len(rn.bwd_candidates(16384, n)) for n in (8192, 16384))
     assert len(rows) == expected, run.stdout
+    # Each fits the shared memory an A100 grants one program (164 KiB), as stage_bytes plans.
+    smem_kib = [float(line.split("|")[-3]) for line in rows]
+    assert max(smem_kib) <= 164, run.stdout

@@ -217,7 +217,7 @@ def backward(dy, x, weight, mean, rstd, compute_dw, compute_db, cfg=None):
                compute_dw, compute_db)  # fmt: skip
         cfg = pick_config(
             key,
-            bwd_candidates(m, n, compute_dw or compute_db),
+            bwd_candidates(m, n, compute_dw or compute_db, dy.element_size() + x.element_size()),
             lambda c: _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, c),
         )
     dw_part, db_part = _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg)

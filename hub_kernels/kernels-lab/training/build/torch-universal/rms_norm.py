@@ -296,7 +296,7 @@ def _fwd_candidates(m_pow2: int, n: int) -> list[dict]:
     return [cfg(4096, 8), cfg(4096, 4), cfg(8192, 8), cfg(8192, 4), cfg(2048, 4)]
 
 
-def bwd_candidates(m: int, n: int, dw: bool = True) -> list[dict]:
+def bwd_candidates(m: int, n: int, dw: bool = True, row_bytes: int = 4) -> list[dict]:
     """Persistent-backward geometries worth timing for this width (the first is the default,
     used untimed on the interpreter, under CUDA-graph capture and for in-place calls).
 
@@ -304,9 +304,26 @@ def bwd_candidates(m: int, n: int, dw: bool = True) -> list[dict]:
     the next rows, per-row dW accumulation (ACC_2D), RELOAD and STAGES (see the kernel). With
     `dw` (the weight's gradient is computed) every geometry runs one program per SM, so the fp32
     dW partials are one row per SM, as Liger's; without it there are no partials and two
-    programs per SM are timed too (small batches gain from them).
+    programs per SM are timed too (small batches gain from them). `row_bytes`, the bytes per
+    column of the row tensors read (dy, x and any ds: 4 for two bf16), drops the STAGES
+    geometries whose shared-memory buffers would not fit (see `stage_bytes`).
     """
-    return _bwd_candidates(next_pow2(m), n, dw)
+    return _bwd_candidates(next_pow2(m), n, dw, row_bytes)
+
+
+# Shared memory the STAGES buffers may take: what an A100 grants one program (164 KiB) less the
+# reductions' scratch; an H100/H200 grants 227 KiB.
+STAGE_BYTES_MAX = 160 * 1024
+
+
+def stage_bytes(cfg: dict, n: int, row_bytes: int) -> int:
+    """Shared memory of a geometry's pipelined loads: STAGES - 1 blocks of rows in flight, twice
+    with RELOAD (the second read is pipelined too), and w (4 bytes at most) per pass with
+    RELOAD 2."""
+    block_n = next_pow2(n)
+    rows = cfg["BLOCK_M"] * block_n * row_bytes * (2 if cfg["RELOAD"] else 1)
+    weight = 2 * block_n * 4 if cfg["RELOAD"] == 2 else 0
+    return (cfg["STAGES"] - 1) * (rows + weight)
 
 
 def _geometry(block_n: int, m_pow2: int, tile: int, warps: int, per_sm: int = 1,
@@ -322,7 +339,7 @@ def _geometry(block_n: int, m_pow2: int, tile: int, warps: int, per_sm: int = 1,
 # The orders follow the H200 probe (scripts/probes/probe_norms_glu_gpu.py --part cand): the
 # measured best first, then the rest the tuner may still prefer at other row counts.
 @functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
-def _bwd_candidates(m_pow2: int, n: int, dw: bool) -> list[dict]:
+def _bwd_candidates(m_pow2: int, n: int, dw: bool, row_bytes: int) -> list[dict]:
     block_n = next_pow2(n)
     cfg = functools.partial(_geometry, block_n, m_pow2)
     if block_n <= 512:  # q/k norms: many short rows per program
@@ -351,8 +368,10 @@ def _bwd_candidates(m_pow2: int, n: int, dw: bool) -> list[dict]:
                 cfg(16384, 16, prefetch=True), cfg(block_n, 16), cfg(8192, 16, stages=2)]  # fmt: skip
     if not dw:  # no partials: two programs per SM cost no memory
         wide += [cfg(4096, 8, 2, True), cfg(4096, 4, 2)]
-    # A geometry listed twice (tiles that clamp to one row) is timed once.
-    return [c for i, c in enumerate(wide) if c not in wide[:i]]
+    # A geometry listed twice (tiles that clamp to one row) is timed once; fp32 rows at hidden
+    # 16384 leave no room for the RELOAD + STAGES buffers.
+    return [c for i, c in enumerate(wide)
+            if c not in wide[:i] and stage_bytes(c, n, row_bytes) <= STAGE_BYTES_MAX]  # fmt: skip
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, gemma) -> torch.dtype:
@@ -460,12 +479,13 @@ def backward(
         key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype,
                None if weight is None else weight.dtype, x.device, mode, compute_dw, from_y,
                ds is not None)  # fmt: skip
+        row_bytes = dy.element_size() + x.element_size() + (0 if ds is None else ds.element_size())
         if dx is dy:
             # Timing launches several times, and a launch after the first would read a dx as
             # dy: in place takes the geometry an earlier out-of-place call timed, or the default.
-            cfg = cached_config(key) or bwd_candidates(m, n, compute_dw)[0]
+            cfg = cached_config(key) or bwd_candidates(m, n, compute_dw, row_bytes)[0]
         else:
-            cfg = pick_config(key, bwd_candidates(m, n, compute_dw), launch)
+            cfg = pick_config(key, bwd_candidates(m, n, compute_dw, row_bytes), launch)
     part = launch(cfg)
     dw = column_sum(part, weight.dtype) if compute_dw else x.new_empty(0)
     return dx, dw
