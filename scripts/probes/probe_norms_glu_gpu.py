@@ -15,7 +15,7 @@ fwd+bwd above what is held before and after it. Sections, each one table:
 - ``cand``: the RMSNorm backward (kernel + dW column sum) alone at each geometry worth
   considering: the shipped candidates ("shipped", the first of each shape is the default),
   then with ``--explore`` proposals in no list ("proposed"): for hidden 8192 and 16384 every
-  warps x RELOAD x STAGES combination; with the size of its fp32 dW partials (Liger's: one row
+  warps x RELOAD x STAGES combination, and two rows per iteration; with the size of its fp32 dW partials (Liger's: one row
   per SM). "(picked)" marks what the tuner picks, and every geometry's dx and dW are compared
   with the default geometry's. A geometry Triton or the GPU refuses (shared memory) is a row
   with its error. To ship a pick, reorder or trim that width's list in ``_bwd_candidates``
@@ -186,11 +186,15 @@ def candidate_geometries(rn, m: int, n: int, explore: bool = False) -> list[tupl
             cfg(block_n * bm, w, p) for bm in (1, 2, 4) for w in (8, 16) for p in (False, True)
         ]
         extra += [cfg(block_n * bm, w, stages=s) for bm in (1, 2) for w in (8, 16) for s in (2, 3)]
-    else:  # one row per iteration: warps x RELOAD x STAGES, and register prefetch
+    else:  # one or two rows per iteration: warps x RELOAD x STAGES, and register prefetch
         warps = (8, 16, 32) if block_n <= 8192 else (16, 32)  # 8 warps spill at 16384
-        extra = [cfg(block_n, w, reload=r, stages=s) for w in warps for r in (0, 1, 2)
-                 for s in (1, 2, 3)]  # fmt: skip
+        extra = [cfg(block_n, w, reload=r, stages=s) for w in warps
+                 for r in ((0, 1, 2) if w >= 16 else (0, 1)) for s in (1, 2, 3)]  # fmt: skip
         extra += [cfg(block_n, w, True, reload=r) for w in (16, 32) for r in (0, 1, 2)]
+        extra += [cfg(2 * block_n, w, reload=r, stages=s) for w in (16, 32) for r in (0, 1)
+                  for s in (1, 2)]  # fmt: skip
+    # An H200 grants a program 227 KiB of shared memory: larger STAGES buffers cannot launch.
+    extra = [c for c in extra if rn.stage_bytes(c, n, 4) <= 220 * 1024]
     seen = [c for _, c in out]
     for c in extra:
         if c not in seen and c["BLOCK_M"] * block_n <= 65536:
