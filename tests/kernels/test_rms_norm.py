@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -189,7 +190,8 @@ def test_every_backward_candidate(kt, shape):
     "case", ["llama", "gemma", "none-offset", "no-weight", "save-output", "sum-gradient"]
 )
 def test_reload_and_stages_give_the_same_gradients_in_every_mode(kt, case):
-    """RELOAD re-reads a block's rows (and with 2, w) for dx and dW; STAGES pipelines the loop.
+    """RELOAD re-reads a block's rows (and with 2, w) for dx and dW; STAGES pipelines the loop;
+    PREFETCH loads the next block first (a reload reads the current block, loaded a loop ago).
     Neither changes one operation of the arithmetic: bit for bit the gradients of RELOAD 0 (the
     arithmetic the float64 tests check), in each mode and with each input the kernel has.
     11 x 300: two programs of 6 rows, each one partial block of 8."""
@@ -211,10 +213,9 @@ def test_reload_and_stages_give_the_same_gradients_in_every_mode(kt, case):
         return dx, dw
 
     base = grads()
-    for reload in (0, 1, 2):
-        for stages in (1, 2):
-            dx, dw = grads(reload=reload, stages=stages)
-            assert torch.equal(dx, base[0]) and torch.equal(dw, base[1]), (reload, stages)
+    for reload, stages, prefetch in itertools.product((0, 1, 2), (1, 2), (False, True)):
+        dx, dw = grads(reload=reload, stages=stages, prefetch=prefetch)
+        assert torch.equal(dx, base[0]) and torch.equal(dw, base[1]), (reload, stages, prefetch)
 
 
 def _bwd_options(cfg: dict) -> dict:
