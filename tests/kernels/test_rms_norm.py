@@ -192,7 +192,7 @@ def test_every_backward_candidate(kt, shape):
 def test_reload_and_stages_give_the_same_gradients_in_every_mode(kt, case):
     """RELOAD re-reads a block's rows (and with 2, w) for dx and dW; STAGES pipelines the loop;
     PREFETCH loads the next block first (a reload reads the current block, loaded a loop ago).
-    Neither changes one operation of the arithmetic: bit for bit the gradients of RELOAD 0 (the
+    None changes one operation of the arithmetic: bit for bit the gradients of RELOAD 0 (the
     arithmetic the float64 tests check), in each mode and with each input the kernel has.
     11 x 300: two programs of 6 rows, each one partial block of 8."""
     mod = sys.modules[kt.__name__ + ".rms_norm"]
