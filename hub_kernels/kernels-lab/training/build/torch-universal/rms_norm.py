@@ -336,8 +336,9 @@ def _geometry(block_n: int, m_pow2: int, tile: int, warps: int, per_sm: int = 1,
 
 
 # Keyed by the row count's power of two, all the lists depend on: varying sequence lengths hit.
-# The orders follow the H200 probe (scripts/probes/probe_norms_glu_gpu.py --part cand): the
-# measured best first, then the rest the tuner may still prefer at other row counts.
+# The orders follow the H200 probe (scripts/probes/probe_norms_glu_gpu.py --part cand): where a
+# width was measured, its best first, then the rest the tuner may prefer at other row counts.
+# RELOAD and STAGES await that measurement (they came after it).
 @functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
 def _bwd_candidates(m_pow2: int, n: int, dw: bool, row_bytes: int) -> list[dict]:
     block_n = next_pow2(n)
