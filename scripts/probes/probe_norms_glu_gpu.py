@@ -1,22 +1,25 @@
 """RMSNorm at wide rows and the gated MLP's memory: ours against Liger and F.rms_norm (GPU).
 
     python scripts/probes/probe_norms_glu_gpu.py                 # all sections, < 3 min on an H200
-    python scripts/probes/probe_norms_glu_gpu.py --part cand     # one section: e2e, cand or glu
-    python scripts/probes/probe_norms_glu_gpu.py --part cand --explore  # + geometries in neither
+    python scripts/probes/probe_norms_glu_gpu.py --part cand     # some sections: e2e, cand, glu
+    python scripts/probes/probe_norms_glu_gpu.py --part cand,e2e --explore  # picking geometries
 
 bf16 throughout; times are the bench harness's (device time with host work hidden behind a
 queued sleep kernel, L2 flushed; wall time is do_bench), memory is the extra peak of one warm
 fwd+bwd above what is held before and after it. Sections, each one table:
 
 - ``e2e``: RMSNorm {1024, 4096, 16384} x {8192, 16384} and 4096x4096 (ours as the layer runs it,
-  with the default backward geometries "v1" and with "v2", Liger, F.rms_norm), fused add +
-  RMSNorm and LayerNorm (the same ours, Liger) at 1024x8192 and 4096x4096. Each RMSNorm shape's
-  ours is checked against an fp32 reference of the same bf16 inputs.
+  Liger, F.rms_norm), fused add + RMSNorm and LayerNorm (ours, Liger) at 1024x8192, 4096x4096
+  and 4096x16384. Each RMSNorm shape's ours is checked against an fp32 reference of the same
+  bf16 inputs.
 - ``cand``: the RMSNorm backward (kernel + dW column sum) alone at each geometry worth
-  considering: family "v1" (the default), "v2" (KERNELS_NORM_BWD_GEOMETRIES=v2: dW partials one
-  row per SM, as Liger's) and further proposals, with the size of its fp32 dW partials; the
-  first row of each shape is v1's default, "(picked)" marks what v1's timing picks, and every
-  geometry's dx and dW are compared with the default geometry's.
+  considering: the shipped candidates ("shipped", the first of each shape is the default),
+  then with ``--explore`` proposals in no list ("proposed"): for hidden 8192 and 16384 every
+  warps x RELOAD x STAGES combination, and two rows per iteration; with the size of its fp32 dW partials (Liger's: one row
+  per SM). "(picked)" marks what the tuner picks, and every geometry's dx and dW are compared
+  with the default geometry's. A geometry Triton or the GPU refuses (shared memory) is a row
+  with its error. To ship a pick, reorder or trim that width's list in ``_bwd_candidates``
+  (rms_norm.py): one line per width.
 - ``glu``: the SwiGLU product at 16384x14336 and 16384x3072 (ours as the MLP layers run it,
   the functional default out of place, Liger), and whole MLPs at 16384 tokens: Llama's
   (hidden 4096 / 14336 and 1024 / 3072) and Phi-3's fused gate_up (3072 / 8192), ours as
@@ -58,7 +61,7 @@ from bench_harness import (  # noqa: E402
 
 RMS_SHAPES = [(1024, 8192), (4096, 8192), (16384, 8192), (1024, 16384), (4096, 16384),
               (16384, 16384), (4096, 4096)]  # fmt: skip
-SMALL_SHAPES = [(1024, 8192), (4096, 4096)]  # fused add + RMSNorm, LayerNorm
+SMALL_SHAPES = [(1024, 8192), (4096, 4096), (4096, 16384)]  # fused add + RMSNorm, LayerNorm
 # Backward geometries: the task's shapes, plus anchors that must not get slower.
 CAND_SHAPES = RMS_SHAPES + [(16384, 4096), (4096, 128), (262144, 128)]
 ROUNDS = 3
@@ -144,43 +147,20 @@ def check_rms_norm(kt, m: int, n: int) -> str:
     return ("ok" if ok else "FAIL") + " (y {:.1e}, dx {:.1e}, dw {:.1e})".format(*errs)
 
 
-def with_v2(case: Case, rn) -> Case:
-    """`case` plus "ours v2": ours with the v2 backward geometries (its own tuned choices)."""
-    ours = next(i for i in case.impls if i.name == "ours")
-
-    def switched(fn):
-        def run():
-            before, rn.BWD_GEOMETRIES = rn.BWD_GEOMETRIES, "v2"
-            try:
-                return fn()
-            finally:
-                rn.BWD_GEOMETRIES = before
-
-        return run
-
-    def make():
-        fwd, fwd_bwd = ours.make()
-        return switched(fwd), switched(fwd_bwd)
-
-    case.impls.append(Impl("ours v2", make))
-    return case
-
-
 def e2e(kt) -> list[dict]:
-    rn = importlib.import_module(f"{kt.__name__}.rms_norm")
-    keep = ["F.rms_norm", "liger", "ours", "ours v2"]
+    keep = ["F.rms_norm", "liger", "ours"]
     rows = []
     for m, n in RMS_SHAPES:
         log(f"e2e RMSNorm {m}x{n}")
-        case_rows = run_filtered(with_v2(rms_norm_case(m, n), rn), keep)
+        case_rows = run_filtered(rms_norm_case(m, n), keep)
         check = check_rms_norm(kt, m, n)
         for r in case_rows:
             r["check"] = check if r["impl"] == "ours" else ""
         rows += case_rows
     for m, n in SMALL_SHAPES:
         log(f"e2e AddRMSNorm / LayerNorm {m}x{n}")
-        rows += run_filtered(with_v2(add_rms_norm_case(m, n), rn), keep)
-        rows += run_filtered(with_v2(layer_norm_case(m, n), rn), keep)
+        rows += run_filtered(add_rms_norm_case(m, n), keep)
+        rows += run_filtered(layer_norm_case(m, n), keep)
     return rows
 
 
@@ -188,30 +168,38 @@ def e2e(kt) -> list[dict]:
 
 
 def candidate_geometries(rn, m: int, n: int, explore: bool = False) -> list[tuple[str, dict]]:
-    """(label, cfg): v1 (the default, in its order), then v2's geometries not in it, then (with
-    `explore`) one-program-per-SM geometries in neither list."""
+    """(label, cfg): the shipped candidates (the default first), then (with `explore`)
+    one-program-per-SM geometries in no list."""
     block_n = rn.next_pow2(n)
     m_pow2 = rn.next_pow2(m)
 
-    def cfg(block_m, warps, per_sm, prefetch, acc_2d=False):
-        return {"BLOCK_M": max(1, min(block_m, m_pow2)), "num_warps": warps, "per_sm": per_sm,
-                "PREFETCH": prefetch, "ACC_2D": acc_2d}  # fmt: skip
+    def cfg(tile, warps, prefetch=False, acc_2d=False, reload=0, stages=1):
+        return rn._geometry(block_n, m_pow2, tile, warps, 1, prefetch, acc_2d, reload, stages)
 
-    shipped = [("v1", c) for c in rn.bwd_candidates(m, n, family="v1")]
-    v2 = rn.bwd_candidates(m, n, family="v2")
-    if block_n <= 512:  # short rows: one program per SM, more warps, per-row dW partials
-        rows = 4096 // block_n
-        extra = [cfg(rows * k, w, 1, False, True) for k in (1, 2, 4) for w in (4, 8)]
-    else:  # wide rows: one program per SM, one to four rows per program-iteration
-        sizes, warps = ((1, 2, 4), (8, 16)) if block_n <= 4096 else ((1, 2), (8, 16, 32))
-        extra = [cfg(bm, w, 1, p) for bm in sizes for w in warps for p in (False, True)]
-    seen = [c for _, c in shipped]
-    out = list(shipped)
-    for label, group in (("v2", v2), ("proposed", extra if explore else [])):
-        for c in group:
-            if c not in seen and c["BLOCK_M"] * block_n <= 65536:
-                seen.append(c)
-                out.append((label, c))
+    out = [("shipped", c) for c in rn.bwd_candidates(m, n)]
+    if not explore:
+        return out
+    if block_n <= 512:  # short rows: more warps, per-row dW partials, 1 to 4 tiles of 4096
+        extra = [cfg(4096 * k, w, acc_2d=True) for k in (1, 2, 4) for w in (4, 8)]
+    elif block_n <= 4096:  # one to four rows per iteration, register or asynchronous prefetch
+        extra = [
+            cfg(block_n * bm, w, p) for bm in (1, 2, 4) for w in (8, 16) for p in (False, True)
+        ]
+        extra += [cfg(block_n * bm, w, stages=s) for bm in (1, 2) for w in (8, 16) for s in (2, 3)]
+    else:  # one or two rows per iteration: warps x RELOAD x STAGES, and register prefetch
+        warps = (8, 16, 32) if block_n <= 8192 else (16, 32)  # 8 warps spill at 16384
+        extra = [cfg(block_n, w, reload=r, stages=s) for w in warps
+                 for r in ((0, 1, 2) if w >= 16 else (0, 1)) for s in (1, 2, 3)]  # fmt: skip
+        extra += [cfg(block_n, w, True, reload=r) for w in (16, 32) for r in (0, 1, 2)]
+        extra += [cfg(2 * block_n, w, reload=r, stages=s) for w in (16, 32) for r in (0, 1)
+                  for s in (1, 2)]  # fmt: skip
+    # An H200 grants a program 227 KiB of shared memory: larger STAGES buffers cannot launch.
+    extra = [c for c in extra if rn.stage_bytes(c, n, 4) <= 220 * 1024]
+    seen = [c for _, c in out]
+    for c in extra:
+        if c not in seen and c["BLOCK_M"] * block_n <= 65536:
+            seen.append(c)
+            out.append(("proposed", c))
     return out
 
 
@@ -230,17 +218,10 @@ def cand_shape(rn, m: int, n: int, explore: bool) -> list[dict]:
     w = (1 + 0.1 * torch.randn(n, device="cuda")).to(DT)
     dy = torch.randn(m, n, device="cuda", dtype=DT)
     _y, rstd, _s = rn.forward(x, w, 1e-6, numer)
-    # What each family picks by timing (the first call tunes and caches it).
-    picked = {}
-    for family in rn.GEOMETRY_FAMILIES:
-        before, rn.BWD_GEOMETRIES = rn.BWD_GEOMETRIES, family
-        try:
-            rn.backward(dy, x, w, rstd, numer, True)
-        finally:
-            rn.BWD_GEOMETRIES = before
-        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, w.dtype, x.device, rn.LLAMA,
-               True, False, False, family)  # fmt: skip
-        picked[family] = rn.cached_config(key)
+    rn.backward(dy, x, w, rstd, numer, True)  # what the tuner picks (the first call times it)
+    key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype, w.dtype, x.device, rn.LLAMA, True,
+           False, False)  # fmt: skip
+    picked = rn.cached_config(key)
     rows, runs = [], []
     for label, c in candidate_geometries(rn, m, n, explore):
         dx = torch.empty_like(x)
@@ -263,7 +244,7 @@ def cand_shape(rn, m: int, n: int, explore: bool) -> list[dict]:
     for spans, (label, c, _fn, dx, dw) in zip(times, runs, strict=True):
         rows.append({
             "shape": f"{m}x{n}",
-            "label": label + "".join(f" ({f} picks)" for f, p in picked.items() if p == c),
+            "label": label + (" (picked)" if c == picked else ""),
             "cfg": c, "ms": statistics.median(spans), "partial_mib": partial_mib(rn, m, n, c),
             "liger_mib": sms * n * 4 / 2**20,
             "check": f"dx {rel_err(dx, base_dx):.0e} dw {rel_err(dw, base_dw):.0e}",
@@ -281,17 +262,17 @@ def cand(kt, explore: bool) -> list[dict]:
 
 
 def cand_table(rows: list[dict]) -> str:
-    lines = ["| shape | geometry | BLOCK_M | warps | per SM | prefetch | acc 2d | bwd ms | "
-             "vs best | dW partials MiB (Liger) | vs default |",
-             "|" + "---|" * 11]  # fmt: skip
+    lines = ["| shape | geometry | BLOCK_M | warps | per SM | prefetch | acc 2d | reload | "
+             "stages | bwd ms | vs best | dW partials MiB (Liger) | vs default |",
+             "|" + "---|" * 13]  # fmt: skip
     best: dict[str, float] = {}
     for r in rows:
         if "ms" in r:
             best[r["shape"]] = min(best.get(r["shape"], float("inf")), r["ms"])
     for r in rows:
         c = r["cfg"]
-        geo = [str(c["BLOCK_M"]), str(c["num_warps"]), str(c["per_sm"]), str(c["PREFETCH"]),
-               str(c["ACC_2D"])]  # fmt: skip
+        geo = [str(c[k]) for k in ("BLOCK_M", "num_warps", "per_sm", "PREFETCH", "ACC_2D",
+                                    "RELOAD", "STAGES")]  # fmt: skip
         if "error" in r:
             lines.append(
                 f"| {r['shape']} | {r['label']} | " + " | ".join(geo) + f" | {r['error']} |"
@@ -406,11 +387,16 @@ def glu(kt) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "e2e", "cand", "glu"], default="all")
     parser.add_argument(
-        "--explore", action="store_true", help="cand: also geometries in neither family (slower)"
+        "--part", default="all", help="all, or a comma-separated list of: cand, e2e, glu"
+    )
+    parser.add_argument(
+        "--explore", action="store_true", help="cand: also geometries in no list (slower)"
     )
     args = parser.parse_args()
+    parts = set(args.part.split(","))
+    if not parts <= {"all", "cand", "e2e", "glu"}:
+        parser.error(f"--part: all, or a comma-separated list of cand, e2e, glu; got {args.part}")
     if not torch.cuda.is_available():
         print("probe_norms_glu_gpu: needs a CUDA GPU; nothing to do on this machine")
         return
@@ -423,7 +409,7 @@ def main() -> None:
         ("glu", "Gated MLP", lambda: table(glu(kt), ("check",))),
     ]
     for part, title, run in sections:
-        if args.part not in ("all", part):
+        if "all" not in parts and part not in parts:
             continue
         try:
             body = run()

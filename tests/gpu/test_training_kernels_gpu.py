@@ -206,7 +206,9 @@ def _bwd_options(cfg: dict) -> dict:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(16384, 4096), (8 * 2048 * 16, 128)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(16384, 4096), (8 * 2048 * 16, 128), (2048, 8192), (2048, 16384)], ids=str
+)
 def test_rms_norm_every_candidate(kt, shape, dtype):
     """Each geometry the tuner may pick, launched as asked (recorded) and right to float64."""
     mod = submodule(kt, "rms_norm")
@@ -223,7 +225,7 @@ def test_rms_norm_every_candidate(kt, shape, dtype):
         launches.assert_launched("_rms_norm_fwd_kernel", **cfg)
         launches.assert_device_matches()
         check(y, y64, dtype, f"y {cfg}")
-    for cfg in mod.bwd_candidates(*shape):
+    for cfg in mod.bwd_candidates(*shape, row_bytes=2 * x.element_size()):
         with TritonLaunches(mod, device=True) as launches:
             dx, dw = mod.backward(dy, x, w, rstd, False, True, cfg)
         launches.assert_launched("_rms_norm_bwd_kernel", **_bwd_options(cfg))

@@ -134,7 +134,7 @@ def test_sum_gradient_is_added_before_the_one_rounding(kt):
     assert torch.equal(dx, (dx32 + ds.float()).to(torch.float16))
 
 
-@pytest.mark.parametrize("shape", [(45, 1000), (70, 128)], ids=str)
+@pytest.mark.parametrize("shape", [(45, 1000), (13, 9000), (10, 5000), (70, 128)], ids=str)
 def test_every_backward_candidate_with_a_sum_gradient(kt, shape):
     """The GPU picks the backward geometry by timing (prefetching ds too); each must be right."""
     mod = sys.modules[kt.__name__ + ".rms_norm"]

@@ -61,18 +61,43 @@ def test_layer_bound_on_nn_layernorm(kt, dtype):
     torch.testing.assert_close(y, y_ref, rtol=2 * eps, atol=2 * eps * y_ref.abs().max().item())
 
 
-@pytest.mark.parametrize("n", [1000, 128])
-def test_every_backward_candidate(kt, n):
-    """The GPU picks among these geometries by timing; each one must be correct (prefetch too)."""
+@pytest.mark.parametrize("m,n", [(45, 1000), (13, 9000), (10, 5000), (45, 128)], ids=str)
+def test_every_backward_candidate(kt, m, n):
+    """The GPU picks among these geometries by timing; each one must be correct (prefetch,
+    RELOAD and STAGES too; rows split unevenly over the programs, hidden not a power of 2)."""
     mod = sys.modules[kt.__name__ + ".layer_norm"]
-    x = torch.randn(45, n, dtype=torch.bfloat16)
+    x = torch.randn(m, n, dtype=torch.bfloat16)
     w, b = torch.randn(n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     _, mean, rstd = mod.forward(x, w, b, 1e-5)
     x64, w64, b64 = (leaf64(t.requires_grad_()) for t in (x, w, b))
     layer_norm64(x64, w64, b64, 1e-5).backward(dy.double())
-    for cfg in mod.bwd_candidates(45, n):
+    for cfg in mod.bwd_candidates(m, n):
         dx, dw, db = mod.backward(dy, x.detach(), w.detach(), mean, rstd, True, True, cfg)
         assert_close(dx, x64.grad, torch.bfloat16, f"dx {cfg}")
         assert_close(dw, w64.grad, torch.bfloat16, f"dw {cfg}")
         assert_close(db, b64.grad, torch.bfloat16, f"db {cfg}")
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_reload_and_stages_give_the_same_gradients(kt, affine):
+    """As for RMSNorm: RELOAD and STAGES change no operation of the arithmetic, so the gradients
+    are bit for bit those of RELOAD 0 (the arithmetic checked against float64 above), with and
+    without w and b."""
+    mod = sys.modules[kt.__name__ + ".layer_norm"]
+    rms = sys.modules[kt.__name__ + ".rms_norm"]
+    x = torch.randn(11, 300, dtype=torch.bfloat16)
+    w = torch.randn(300, dtype=torch.bfloat16) if affine else None
+    b = torch.randn(300, dtype=torch.bfloat16) if affine else None
+    dy = torch.randn_like(x)
+    _, mean, rstd = mod.forward(x, w, b, 1e-5)
+
+    def grads(**options):
+        cfg = rms._geometry(512, 16, 4096, 4, **options)
+        return mod.backward(dy, x, w, mean, rstd, affine, affine, cfg)
+
+    base = grads()
+    for reload in (0, 1, 2):
+        for stages in (1, 2):
+            got = grads(reload=reload, stages=stages)
+            assert all(torch.equal(g, e) for g, e in zip(got, base, strict=True)), (reload, stages)

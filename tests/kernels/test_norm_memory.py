@@ -1,8 +1,6 @@
-"""The norms' backward memory with the "v2" geometry family (KERNELS_NORM_BWD_GEOMETRIES=v2):
-whichever geometry the autotuner picks, the fp32 dW (and dB) partials take no more than Liger's,
-one row per SM, so the extra peak above dx and the weight gradients is never more than Liger's.
-Measured by a tensor-registry probe of live storages. "v1", the default measured on an H200, may
-run several programs per SM and keeps its partials per program."""
+"""The norms' backward memory: whichever geometry the autotuner picks, the fp32 dW (and dB)
+partials take no more than Liger's, one row per SM, so the extra peak above dx and the weight
+gradients is never more than Liger's. Measured by a tensor-registry probe of live storages."""
 
 from __future__ import annotations
 
@@ -14,8 +12,8 @@ from _live_bytes import extra_peak
 from _training_refs import assert_close, layer_norm64, rms_norm64
 
 # Wide rows (several rows per program-iteration), head-dim rows (many rows per program) and
-# rows wide enough for the 32-warp geometries.
-SHAPES = [(64, 1000), (1024, 128), (8, 9000)]
+# the hidden-8192 and -16384 lists (32 warps, RELOAD, STAGES).
+SHAPES = [(64, 1000), (1024, 128), (10, 5000), (8, 9000)]
 
 
 def module(kt, name: str):
@@ -38,7 +36,7 @@ def test_rms_norm_backward_partials_are_at_most_liger(kt, shape, residual):
     _y, rstd, _s = mod.forward(x, w, 1e-6, False)
     x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
     rms_norm64(x64, w64, 1e-6).backward(dy.double())
-    candidates = mod.bwd_candidates(*shape, family="v2")
+    candidates = mod.bwd_candidates(*shape)
     assert candidates  # the list the GPU times; each one is held to the budget
     for cfg in candidates:
         extra, (dx, dw) = extra_peak(
@@ -61,7 +59,7 @@ def test_layer_norm_backward_partials_are_at_most_liger(kt, shape):
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
     layer_norm64(x64, w64, b64, 1e-5).backward(dy.double())
     rms = module(kt, "rms_norm")
-    for cfg in rms.bwd_candidates(*shape, family="v2"):
+    for cfg in rms.bwd_candidates(*shape):
         extra, (dx, dw, db) = extra_peak(
             lambda c=cfg: mod.backward(dy, x, w, mean, rstd, True, True, c)
         )
@@ -75,20 +73,20 @@ def test_without_dw_several_programs_per_sm_stay_candidates(kt):
     """No weight gradient, no partials: the geometries that run two programs per SM (small
     batches gain from them) are still timed."""
     mod = module(kt, "rms_norm")
-    assert any(c["per_sm"] > 1 for c in mod.bwd_candidates(1024, 8192, dw=False, family="v2"))
-    assert all(c["per_sm"] == 1 for c in mod.bwd_candidates(1024, 8192, family="v2"))
+    assert any(c["per_sm"] > 1 for c in mod.bwd_candidates(1024, 8192, dw=False))
+    # With dW, one program per SM at every width (each list, not only those run above).
+    for n in (128, 1000, 4096, 5000, 8192, 9000, 16384, 40000):
+        for m in (1024, 16384):
+            assert all(c["per_sm"] == 1 for c in mod.bwd_candidates(m, n)), (m, n)
 
 
-def test_the_family_comes_from_the_environment(kt, monkeypatch):
-    # By its package path: a bare `conftest` is whichever conftest module pytest imported first.
-    from tests.kernels.conftest import load_variant
-
-    monkeypatch.setenv("KERNELS_NORM_BWD_GEOMETRIES", "v2")
-    fresh = load_variant("_kernels_training_norm_env")  # a name no other load uses
-    mod = module(fresh, "rms_norm")
-    assert mod.BWD_GEOMETRIES == "v2"
-    assert mod.bwd_candidates(4096, 4096) == mod.bwd_candidates(4096, 4096, family="v2")
-    assert module(kt, "rms_norm").BWD_GEOMETRIES == "v1"  # the default
-    monkeypatch.setattr(mod, "BWD_GEOMETRIES", "v3")
-    with pytest.raises(ValueError, match="KERNELS_NORM_BWD_GEOMETRIES must be one of"):
-        mod.bwd_candidates(4096, 4096)
+def test_stages_geometries_fit_in_shared_memory(kt):
+    """The STAGES buffers of every listed geometry fit in STAGE_BYTES_MAX for the row tensors
+    given (bf16 rows keep them at hidden 16384; fp32 rows there drop them)."""
+    mod = module(kt, "rms_norm")
+    for row_bytes in (4, 6, 8, 12):  # bf16 dy and x; + a bf16 ds; fp32 dy and x; + an fp32 ds
+        for n in (1000, 4096, 5000, 8192, 9000, 16384):
+            for cfg in mod.bwd_candidates(4096, n, row_bytes=row_bytes):
+                assert mod.stage_bytes(cfg, n, row_bytes) <= mod.STAGE_BYTES_MAX, (row_bytes, cfg)
+    assert any(c["STAGES"] > 1 for c in mod.bwd_candidates(4096, 16384, row_bytes=4))
+    assert all(c["STAGES"] == 1 for c in mod.bwd_candidates(4096, 16384, row_bytes=8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -155,7 +156,13 @@ def test_qwen3_attention_q_norm_over_head_dim(kt):
     torch.testing.assert_close(attn.q_norm(x), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(45, 1000), (70, 128)], ids=str)
+# Backward shapes on the interpreter's 4 "SMs": 45 x 1000, several rows per iteration and a
+# partial last block; 13 x 9000 and 10 x 5000, the hidden-16384 and -8192 lists (RELOAD and
+# STAGES geometries) with rows split 4/4/4/1 and 3/3/3/1 over the programs; 70 x 128, q/k norms.
+BWD_SHAPES = [(45, 1000), (13, 9000), (10, 5000), (70, 128)]
+
+
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=str)
 def test_every_backward_candidate(kt, shape):
     """The GPU picks among these geometries by timing; each one must be correct (prefetch too)."""
     mod = sys.modules[kt.__name__ + ".rms_norm"]
@@ -177,6 +184,38 @@ def test_every_backward_candidate(kt, shape):
             y = mod.forward(x.detach(), w.detach(), 1e-6, False, cfg)[0]
         launches.assert_launched("_rms_norm_fwd_kernel", **cfg)
         assert_close(y, y64, torch.bfloat16, f"y {cfg}")
+
+
+@pytest.mark.parametrize(
+    "case", ["llama", "gemma", "none-offset", "no-weight", "save-output", "sum-gradient"]
+)
+def test_reload_and_stages_give_the_same_gradients_in_every_mode(kt, case):
+    """RELOAD re-reads a block's rows (and with 2, w) for dx and dW; STAGES pipelines the loop;
+    PREFETCH loads the next block first (a reload reads the current block, loaded a loop ago).
+    None changes one operation of the arithmetic: bit for bit the gradients of RELOAD 0 (the
+    arithmetic the float64 tests check), in each mode and with each input the kernel has.
+    11 x 300: two programs of 6 rows, each one partial block of 8."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    m, n = 11, 300
+    numer = {"gemma": (1.0, mod.GEMMA), "none-offset": (0.5, mod.NONE)}.get(case, (0.0, mod.LLAMA))
+    x = torch.randn(m, n, dtype=torch.bfloat16)
+    w = None if case == "no-weight" else torch.rand(n, dtype=torch.bfloat16) + 0.5
+    dy = torch.randn_like(x)
+    ds = torch.randn_like(x) if case == "sum-gradient" else None
+    y, rstd, _ = mod.forward(x, w, 1e-6, numer)
+    saved, from_y = (y, True) if case == "save-output" else (x, False)
+
+    def grads(**options):
+        cfg = mod._geometry(512, 16, 4096, 4, **options)
+        with TritonLaunches(mod) as launches:
+            dx, dw = mod.backward(dy, saved, w, rstd, numer, w is not None, cfg, from_y, ds=ds)
+        launches.assert_launched("_rms_norm_bwd_kernel", **_bwd_options(cfg))
+        return dx, dw
+
+    base = grads()
+    for reload, stages, prefetch in itertools.product((0, 1, 2), (1, 2), (False, True)):
+        dx, dw = grads(reload=reload, stages=stages, prefetch=prefetch)
+        assert torch.equal(dx, base[0]) and torch.equal(dw, base[1]), (reload, stages, prefetch)
 
 
 def _bwd_options(cfg: dict) -> dict:
@@ -235,15 +274,16 @@ def test_save_output_mode_zero_weight_is_nan_not_wrong(kt):
     assert torch.isfinite(w.grad[torch.arange(64) != 7]).all()
 
 
-def test_save_output_every_backward_candidate(kt):
+@pytest.mark.parametrize("shape", [(45, 1000), (13, 9000)], ids=str)
+def test_save_output_every_backward_candidate(kt, shape):
     mod = sys.modules[kt.__name__ + ".rms_norm"]
-    x = torch.randn(45, 1000, dtype=torch.bfloat16)
-    w = torch.rand(1000, dtype=torch.bfloat16) + 0.5
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    w = torch.rand(shape[-1], dtype=torch.bfloat16) + 0.5
     dy = torch.randn_like(x)
     y, rstd, _ = mod.forward(x, w, 1e-6, False)
     x64, w64 = leaf64(x.requires_grad_()), leaf64(w.requires_grad_())
     rms_norm64(x64, w64, 1e-6).backward(dy.double())
-    for cfg in mod.bwd_candidates(45, 1000):
+    for cfg in mod.bwd_candidates(*shape):
         with TritonLaunches(mod) as launches:
             dx, dw = mod.backward(dy, y, w.detach(), rstd, False, True, cfg, from_y=True)
         launches.assert_launched("_rms_norm_bwd_kernel", FROM_Y=True, **_bwd_options(cfg))

@@ -14,8 +14,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import rms_norm
-from ._common import as_rows, cdiv, fast_launch, next_pow2, op_name, pick_config, sm_count
+from ._common import (
+    as_rows,
+    cached_config,
+    cdiv,
+    fast_launch,
+    next_pow2,
+    op_name,
+    pick_config,
+    sm_count,
+)
 from .rms_norm import bwd_candidates, column_sum, fwd_config, use_triton_rows
 
 
@@ -48,17 +56,39 @@ def _layer_norm_fwd_kernel(
 
 @triton.jit
 def _load_rows(
-    DY, X, MEAN, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M: tl.constexpr
-):
+    DY, X, MEAN, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M: tl.constexpr,
+    POLICY: tl.constexpr = "",
+):  # fmt: skip
     rows = r0 + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
     mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
-    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0, eviction_policy=POLICY)
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=POLICY)
     mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
     rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
     return dy, x, mean, rstd
+
+
+@triton.jit
+def _weight(W, cols, cmask, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr):
+    """w in fp32 (ones without a weight: then it is never read)."""
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        w = tl.full([BLOCK_N], 1.0, tl.float32)
+    return w
+
+
+@triton.jit
+def _row_terms(dy, x, mean, rstd, w, mask, HAS_W: tl.constexpr):
+    """(dy, x̂, g = dy·w) in fp32 for one block of rows (x̂ zero outside the mask)."""
+    dy = dy.to(tl.float32)
+    xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy
+    if HAS_W:
+        g = dy * w[None, :]
+    return dy, xhat, g
 
 
 @fast_launch
@@ -68,13 +98,15 @@ def _layer_norm_bwd_kernel(
     stride_dy, stride_x, stride_dx, rows_per_program,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr,
     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, PREFETCH: tl.constexpr,
-    ACC_2D: tl.constexpr,
+    ACC_2D: tl.constexpr, RELOAD: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
+    # RELOAD and STAGES as in rms_norm's backward: with RELOAD > 0 dy and x are read again
+    # after the row sums instead of kept across them; with 2, w is read per pass too.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
-    if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if RELOAD < 2:
+        w = _weight(W, cols, cmask, BLOCK_N, HAS_W)
     # ACC_2D: per-row partials reduced once at the end (see rms_norm).
     if ACC_2D:
         dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -88,7 +120,7 @@ def _layer_norm_bwd_kernel(
         dy_n, x_n, mean_n, rstd_n = _load_rows(
             DY, X, MEAN, RSTD, row_start, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
         )
-    for r0 in range(row_start, row_end, BLOCK_M):
+    for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
         if PREFETCH:
             dy, x, mean, rstd = dy_n, x_n, mean_n, rstd_n
             dy_n, x_n, mean_n, rstd_n = _load_rows(
@@ -100,13 +132,20 @@ def _layer_norm_bwd_kernel(
             )
         rows = r0 + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & cmask[None, :]
-        dy = dy.to(tl.float32)
-        xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
-        g = dy
-        if HAS_W:
-            g = dy * w[None, :]
+        if RELOAD == 2:
+            w = _weight(W, cols, cmask, BLOCK_N, HAS_W)
+        dy, xhat, g = _row_terms(dy, x, mean, rstd, w, mask, HAS_W)
         c1 = tl.sum(g * xhat, axis=1) / N
         c2 = tl.sum(g, axis=1) / N
+        if RELOAD > 0:
+            # A second read of the same rows, from the cache (see rms_norm).
+            dy, x, _mean, _rstd = _load_rows(
+                DY, X, MEAN, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M,
+                "evict_first",
+            )  # fmt: skip
+            if RELOAD == 2:
+                w = _weight(W, cols, cmask, BLOCK_N, HAS_W)
+            dy, xhat, g = _row_terms(dy, x, mean, rstd, w, mask, HAS_W)
         dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         dx_ptr = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
         tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
@@ -168,7 +207,7 @@ def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
         dy2.stride(0), x2.stride(0), n, rows_per_program,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), HAS_W=weight is not None,
         COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, PREFETCH=cfg["PREFETCH"],
-        ACC_2D=cfg["ACC_2D"], num_warps=cfg["num_warps"],
+        ACC_2D=cfg["ACC_2D"], RELOAD=cfg["RELOAD"], STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
     )  # fmt: skip
     return dw_part, db_part
 
@@ -184,12 +223,15 @@ def backward(dy, x, weight, mean, rstd, compute_dw, compute_db, cfg=None):
         return dx, dw, x.new_zeros(n) if compute_db else x.new_empty(0)
     if cfg is None:
         key = ("ln_bwd", m.bit_length(), n, x.dtype, dy.dtype, x.device, weight is not None,
-               compute_dw, compute_db, rms_norm.BWD_GEOMETRIES)  # fmt: skip
-        cfg = pick_config(
-            key,
-            bwd_candidates(m, n, compute_dw or compute_db),
-            lambda c: _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, c),
-        )
+               compute_dw, compute_db)  # fmt: skip
+        cfg = cached_config(key)  # first: the path every call after the first takes
+        if cfg is None:
+            row_bytes = dy.element_size() + x.element_size()
+            cfg = pick_config(
+                key,
+                bwd_candidates(m, n, compute_dw or compute_db, row_bytes),
+                lambda c: _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, c),
+            )
     dw_part, db_part = _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg)
     # Distinct empty tensors: a custom op's outputs may not alias each other.
     dw = column_sum(dw_part, weight.dtype) if compute_dw else x.new_empty(0)
