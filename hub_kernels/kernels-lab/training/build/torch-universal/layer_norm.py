@@ -57,7 +57,7 @@ def _layer_norm_fwd_kernel(
 @triton.jit
 def _load_rows(
     DY, X, MEAN, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M: tl.constexpr,
-    POLICY: tl.constexpr = "",
+    POLICY: tl.constexpr,
 ):  # fmt: skip
     rows = r0 + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
@@ -118,17 +118,28 @@ def _layer_norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:
         dy_n, x_n, mean_n, rstd_n = _load_rows(
-            DY, X, MEAN, RSTD, row_start, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
+            DY, X, MEAN, RSTD, row_start, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M, ""
         )
     for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
         if PREFETCH:
             dy, x, mean, rstd = dy_n, x_n, mean_n, rstd_n
             dy_n, x_n, mean_n, rstd_n = _load_rows(
-                DY, X, MEAN, RSTD, r0 + BLOCK_M, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
+                DY,
+                X,
+                MEAN,
+                RSTD,
+                r0 + BLOCK_M,
+                row_end,
+                cols,
+                cmask,
+                stride_dy,
+                stride_x,
+                BLOCK_M,
+                "",
             )
         else:
             dy, x, mean, rstd = _load_rows(
-                DY, X, MEAN, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M
+                DY, X, MEAN, RSTD, r0, row_end, cols, cmask, stride_dy, stride_x, BLOCK_M, ""
             )
         rows = r0 + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & cmask[None, :]

@@ -116,7 +116,7 @@ def _rms_norm_fwd_kernel(
 @triton.jit
 def _load_rows(
     DY, X, RSTD, DS, r0, row_end, cols, cmask, stride_dy, stride_x, stride_ds,
-    BLOCK_M: tl.constexpr, HAS_DS: tl.constexpr, POLICY: tl.constexpr = "",
+    BLOCK_M: tl.constexpr, HAS_DS: tl.constexpr, POLICY: tl.constexpr,
 ):  # fmt: skip
     """One block of rows' dy, x (or y), rstd and, with HAS_DS, ds (else ds is dy, unused)."""
     rows = r0 + tl.arange(0, BLOCK_M)
@@ -193,7 +193,7 @@ def _rms_norm_bwd_kernel(
     if PREFETCH:
         dy_n, x_n, rstd_n, ds_n = _load_rows(
             DY, X, RSTD, DS, row_start, row_end, cols, cmask, stride_dy, stride_x, stride_ds,
-            BLOCK_M, HAS_DS,
+            BLOCK_M, HAS_DS, "",
         )  # fmt: skip
     for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
         if PREFETCH:
@@ -201,12 +201,12 @@ def _rms_norm_bwd_kernel(
             dy, x, rstd, ds = dy_n, x_n, rstd_n, ds_n
             dy_n, x_n, rstd_n, ds_n = _load_rows(
                 DY, X, RSTD, DS, r0 + BLOCK_M, row_end, cols, cmask, stride_dy, stride_x,
-                stride_ds, BLOCK_M, HAS_DS,
+                stride_ds, BLOCK_M, HAS_DS, "",
             )  # fmt: skip
         else:
             dy, x, rstd, ds = _load_rows(
                 DY, X, RSTD, DS, r0, row_end, cols, cmask, stride_dy, stride_x, stride_ds,
-                BLOCK_M, HAS_DS,
+                BLOCK_M, HAS_DS, "",
             )  # fmt: skip
         rows = r0 + tl.arange(0, BLOCK_M)
         mask = (rows < row_end)[:, None] & cmask[None, :]
