@@ -263,12 +263,14 @@ def _out_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK):
+def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=None):
     """Triton rotation of q and k (the inverse rotation when `backward`).
 
     `repeats`: what halves_repeat answers (asked by default): True, False, None or a device flag.
+    `out`: (qo, ko) to write into, shaped like q and k with unit head_dim stride (e.g. views
+    into one fused buffer); new tensors when None.
     """
-    qo, ko = _out_like(q), _out_like(k)
+    qo, ko = (_out_like(q), _out_like(k)) if out is None else out
     qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
     qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
     b, hq, t, d = qv.shape
