@@ -13,8 +13,9 @@ attention and output projection; otherwise the reason is reported.
 
 from __future__ import annotations
 
+import ast
 import inspect
-import re
+import textwrap
 
 from torch import nn
 
@@ -25,12 +26,14 @@ LAYER = "FusedQKVAttention"
 QKV_PROJECTIONS = "kernels_qkv_projections"
 
 _ARGS = ("hidden_states", "position_embeddings", "attention_mask")
-# What the layer passes the attention function, as the family's forward must spell it.
-_CALL_ARGS = (
-    re.compile(r"dropout=0\.0 if not self\.training else self\.attention_dropout\b"),
-    re.compile(r"scaling=self\.scaling\b"),
-    re.compile(r"sliding_window=getattr\(self\.config, \"sliding_window\", None\)"),
-)
+# What the layer passes the attention function after (module, q, k, v, mask), as the family's
+# forward must write it (compared as parsed code, so the formatting does not matter).
+_CALL_KEYWORDS = {
+    "dropout": "0.0 if not self.training else self.attention_dropout",
+    "scaling": "self.scaling",
+    "sliding_window": "getattr(self.config, 'sliding_window', None)",
+    None: "kwargs",  # **kwargs
+}
 
 
 def _linears(module: nn.Module) -> dict[str, nn.Module]:
@@ -110,6 +113,24 @@ def _attribute_problem(module: nn.Module) -> str:
     return ""
 
 
+def _passes_the_layers_arguments(source: str) -> bool:
+    """Whether the forward makes exactly one call with a ``scaling=`` keyword (the attention
+    function's), with five positional arguments and the keywords the layer passes."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return False
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and any(k.arg == "scaling" for k in node.keywords)
+    ]
+    if len(calls) != 1 or len(calls[0].args) != 5:
+        return False
+    keywords = {k.arg: ast.unparse(k.value) for k in calls[0].keywords}
+    return keywords == _CALL_KEYWORDS
+
+
 def qkv_attention_verdict(module: nn.Module) -> tuple[str | None, str, tuple] | None:
     """None when ``module`` is no fused-qkv attention at all; else (the layer or None, the
     reason when None, the class attributes the layer reads)."""
@@ -127,10 +148,10 @@ def qkv_attention_verdict(module: nn.Module) -> tuple[str | None, str, tuple] | 
         source = inspect.getsource(inspect.unwrap(cls.forward))
     except (OSError, TypeError):
         return None, "its forward's source cannot be read", ()
-    if not all(p.search(source) for p in _CALL_ARGS):
+    if not _passes_the_layers_arguments(source):
         return (
             None,
-            "hands its attention function other dropout / scaling / sliding_window arguments",
+            "hands its attention function other arguments than (dropout, scaling, sliding_window)",
             (),
         )
     reason = probes.probe_qkv_attention(module, *pair)
