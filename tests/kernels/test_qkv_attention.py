@@ -199,3 +199,33 @@ def test_a_kv_cache_runs_the_family_forward(kt):
     fused, _ = attn(x, pe, None)
     assert any("SplitQKVRope" in n for n in _graph(fused))
     assert_close(fused, ref, torch.float32, "y")
+
+
+def _saved_masks(model, ids) -> set[int]:
+    """Storages of the [B, 1, T, T] masks sdpa keeps for the backward, over the whole model."""
+    t = ids.shape[1]
+    masks: set[int] = set()
+
+    def pack(x):
+        if x.dim() == 4 and x.shape[-2:] == (t, t) and x.is_floating_point():
+            masks.add(x.untyped_storage().data_ptr())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return masks
+
+
+def test_layers_share_one_additive_mask(kt):
+    """sdpa turns the model's bool (sliding-window) mask into an additive one on each call and
+    keeps it for the backward: one per layer in the family's forward, one for all layers here,
+    with the same loss."""
+    model = tiny_phi3()
+    ids = torch.randint(0, VOCAB - 1, (2, 14))
+    assert len(_saved_masks(model, ids)) == 2  # the family's forward: one per layer
+    ref = model(input_ids=ids, labels=ids).loss
+    for layer in model.model.layers:
+        _layer(kt, layer.self_attn)
+    assert len(_saved_masks(model, ids)) == 1
+    assert_close(model(input_ids=ids, labels=ids).loss, ref, torch.float32, "loss")

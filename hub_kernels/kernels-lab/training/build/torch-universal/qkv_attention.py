@@ -18,12 +18,15 @@ one autograd node that saves only cos and sin:
 Partial rotary (cos narrower than the head) rotates the first cos.shape[-1] dims and copies the
 rest, as transformers' formula does. Tensors the Triton kernel does not take (a CPU tensor
 without the interpreter, an odd rotary width) run the same formula in torch ops, still through
-the one node. ``qkv_attention(module, ...)`` is the whole forward the layer class binds.
+the one node. ``qkv_attention(module, ...)`` is the whole forward the layer class binds; under
+sdpa it also hands every layer one additive mask made from the model's bool mask
+(``shared_additive_mask``), where sdpa would make and keep a copy per layer.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -115,6 +118,41 @@ def split_qkv_rope(
     return SplitQKVRope.apply(qkv, cos, sin, heads, kv_heads, head_dim)
 
 
+# id(bool mask) -> (a weak reference to it, its version, dtype, the additive mask made from it)
+_ADDITIVE: dict[int, tuple] = {}
+
+
+def shared_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (0 where ``mask`` is True, -inf elsewhere) that torch's sdpa makes from
+    a bool mask, made once per mask and dtype. sdpa converts a bool mask on every call and its
+    backward keeps that copy: one [B, 1, T, T] tensor per layer (32 MiB a layer at 4x2048 in
+    bf16, 1 GiB over 32 layers). Handed the same additive tensor, every layer keeps that one.
+    The values are the ones sdpa would make, so the attention computes the same thing."""
+    entry = _ADDITIVE.get(id(mask))
+    if entry is not None and entry[0]() is mask and entry[1:3] == (mask._version, dtype):
+        return entry[3]
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    additive.masked_fill_(mask.logical_not(), float("-inf"))
+    key = id(mask)
+    # the entry goes with the mask (the model makes a new one per forward); a backward that
+    # still needs the additive mask holds it itself
+    ref = weakref.ref(mask, lambda _r: _ADDITIVE.pop(key, None))
+    _ADDITIVE[key] = (ref, mask._version, dtype, additive)
+    return additive
+
+
+def _sdpa_mask(module, mask, dtype):
+    """The mask to hand transformers' sdpa function: a bool mask as the shared additive one."""
+    if (
+        isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and not mask.is_inference()
+        and module.config._attn_implementation == "sdpa"
+    ):
+        return shared_additive_mask(mask, dtype)
+    return mask
+
+
 # module class -> (its own forward, ALL_ATTENTION_FUNCTIONS, eager_attention_forward), read
 # once from the globals of the module's forward (the family's modeling file)
 _FAMILY: dict[type, tuple] = {}
@@ -171,7 +209,7 @@ def qkv_attention(module, hidden_states, position_embeddings, attention_mask, ca
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attention_mask,
+        _sdpa_mask(module, attention_mask, q.dtype),
         dropout=0.0 if not module.training else module.attention_dropout,
         scaling=module.scaling,
         sliding_window=getattr(module.config, "sliding_window", None),
