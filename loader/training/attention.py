@@ -1,7 +1,7 @@
 """Fused-qkv attention modules, recognised by structure: one Linear making [q | k | v] and one
 output Linear, as Phi-3's ``qkv_proj`` / ``o_proj``.
 
-A module is a candidate when two of its Linear children fit together as a fused projection
+A module is a candidate when its two Linear children fit together as a fused projection
 [(Hq + 2 Hk) D, hidden] and an output projection [hidden, Hq D], with ``head_dim`` = D, in a
 forward that calls transformers' attention functions. A candidate is served by the training
 repo's ``FusedQKVAttention`` only if nothing else is in it (a q/k norm, an activation), its
@@ -50,6 +50,8 @@ def _projections(module: nn.Module) -> tuple[str, str] | None:
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
         return None
     linears = _linears(module)
+    if len(linears) != 2:  # separate q/k/v projections (a gated q among them) are no fused qkv
+        return None
     for qkv_name, qkv in linears.items():
         for out_name, out in linears.items():
             width, hidden = qkv.weight.shape
