@@ -142,7 +142,7 @@ def qkv_attention_verdict(module: nn.Module) -> tuple[str | None, str, tuple] | 
         return None
     others = sorted(set(module._modules) - set(pair))
     if others:
-        return None, f"attention holds more than its two projections: {', '.join(others)}", ()
+        return None, f"holds more than its two projections: {', '.join(others)}", ()
     problem = _signature_problem(cls) or _attribute_problem(module)
     if problem:
         return None, problem, ()

@@ -122,7 +122,7 @@ def test_a_qk_norm_is_not_bound(family):
 
     verdict = _verdict(WithNorm)
     assert verdict.layer is None
-    assert verdict.reason == "attention holds more than its two projections: q_norm"
+    assert verdict.reason == "holds more than its two projections: q_norm"
 
 
 def test_other_attention_arguments_are_not_bound(family):
@@ -154,3 +154,22 @@ def test_a_probe_does_not_touch_the_model():
     assert classify(holder).classes[Phi3Attention].layer == "FusedQKVAttention"
     assert module.config._attn_implementation == "sdpa"
     assert all((p == before[n]).all() for n, p in module.named_parameters())
+
+
+@pytest.fixture
+def mirror(hub):
+    from pathlib import Path
+
+    hub.build(Path(__file__).resolve().parents[2] / "hub_kernels")
+    return hub
+
+
+@pytest.mark.parametrize("rotary", [1.0, 0.5], ids=["full", "partial"])
+def test_phi3_sweep_binds_the_attention_and_matches(mirror, rotary):
+    """The sweep's 3 AdamW steps (torch ops on the CPU: the layer's own path without Triton)."""
+    from .registry import run_one
+
+    overrides = None if rotary == 1.0 else {"rope_parameters": {"partial_rotary_factor": rotary}}
+    outcome = run_one("phi3", overrides=overrides)
+    assert outcome.status == "match", outcome
+    assert outcome.classes["Phi3Attention"] == "FusedQKVAttention", outcome
