@@ -196,6 +196,11 @@ def test_a_kv_cache_runs_the_family_forward(kt):
     assert cache.get_seq_length(0) == 14
     assert not any("SplitQKVRope" in n for n in _graph(got))
     assert rel_err(got, ref) == 0.0
+    # the name the decoder layers used before transformers renamed it to cache
+    cache = DynamicCache(config=attn.config)
+    got, _ = attn(x, pe, None, past_key_values=cache)
+    assert cache.get_seq_length(0) == 14
+    assert rel_err(got, ref) == 0.0
     fused, _ = attn(x, pe, None)
     assert any("SplitQKVRope" in n for n in _graph(fused))
     assert_close(fused, ref, torch.float32, "y")

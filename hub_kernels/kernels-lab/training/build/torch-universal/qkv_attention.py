@@ -194,7 +194,11 @@ def qkv_attention(module, hidden_states, position_embeddings, attention_mask, ca
     the family's own forward where ``fallback_reason`` says so. Returns (output, weights)."""
     own, interfaces, eager = _family(type(module))
     if fallback_reason(module, hidden_states, position_embeddings, cache, kwargs):
-        return own(module, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        # a cache under the family's own parameter name (past_key_values) is in kwargs
+        args = (hidden_states, position_embeddings, attention_mask)
+        if cache is not None:
+            args += (cache,)
+        return own(module, *args, **kwargs)
     qkv_name, out_name = getattr(module, QKV_PROJECTIONS, ("qkv_proj", "o_proj"))
     qkv_proj, o_proj = getattr(module, qkv_name), getattr(module, out_name)
     head_dim = module.head_dim
