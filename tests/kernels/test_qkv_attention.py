@@ -234,3 +234,19 @@ def test_layers_share_one_additive_mask(kt):
         _layer(kt, layer.self_attn)
     assert len(_saved_masks(model, ids)) == 1
     assert_close(model(input_ids=ids, labels=ids).loss, ref, torch.float32, "loss")
+
+
+def test_torch_compile_runs_the_family_forward(kt):
+    """Under torch.compile (fullgraph, aot_eager) the layer runs the family's forward, which
+    Dynamo traces without a break: the same values and gradients as uncompiled."""
+    attn, x, pe = _attention_and_inputs()
+    _layer(kt, attn)
+    ref = attn(x, pe, None)[0]
+    ref_grads = torch.autograd.grad(ref.sum(), [x, attn.qkv_proj.weight])
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    got = compiled(x, pe, None)[0]
+    grads = torch.autograd.grad(got.sum(), [x, attn.qkv_proj.weight])
+    assert_close(got, ref, torch.float32, "y")
+    for g, r, what in zip(grads, ref_grads, ("dx", "d qkv_proj.weight"), strict=True):
+        assert_close(g, r, torch.float32, what)
