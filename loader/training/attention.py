@@ -110,7 +110,7 @@ def _attribute_problem(module: nn.Module) -> str:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"no numeric {name} attribute"
     config = getattr(module, "config", None)
-    if not isinstance(getattr(config, "_attn_implementation", None), (str, type(None))):
+    if config is None or not hasattr(config, "_attn_implementation"):
         return "no config._attn_implementation"
     return ""
 
