@@ -450,4 +450,6 @@ class FusedQKVAttention(nn.Module):
         cache=None,
         **kwargs,
     ):
-        return qkv_attention(self, hidden_states, position_embeddings, attention_mask, cache, kwargs)
+        return qkv_attention(
+            self, hidden_states, position_embeddings, attention_mask, cache, kwargs
+        )
