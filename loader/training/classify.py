@@ -24,6 +24,7 @@ from torch import nn
 from ..layers.decorators import function_key, replace_kernel_forward_from_hub
 from ..layers.funcs import KernelFunction, make_function_module
 from . import probes
+from .attention import qkv_attention_verdict
 
 UNSERVED = "_kernels_unserved"  # cls.__dict__: {kind: reason}, read by kernelize's report
 _ATTACHED = "_kernels_attached_funcs"  # cls.__dict__: functions added to its _kernel_funcs
@@ -38,7 +39,7 @@ class Verdict:
     """``layer`` is the training repo's layer class serving the module (its layer name too);
     None with a ``reason`` when nothing serves it."""
 
-    kind: str  # norm, mlp, experts, rotary, loss, activation
+    kind: str  # norm, mlp, experts, rotary, loss, activation, attention
     layer: str | None
     reason: str = ""
     condition: Callable[[nn.Module], bool] | None = None
@@ -496,6 +497,20 @@ def is_norm(module: nn.Module) -> bool:
     return "Norm" in type(module).__name__ and not module._modules and len(module._parameters) <= 2
 
 
+def attention_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict | None:
+    """FusedQKVAttention for Phi-3-style attention (attention.py); None for any other module."""
+    found = qkv_attention_verdict(module)
+    if found is None:
+        return None
+    layer, reason, attributes = found
+    if layer is None:
+        return Verdict("attention", None, reason)
+    missing = available(layer)
+    if missing:
+        return Verdict("attention", None, missing)
+    return Verdict("attention", layer, attributes=attributes)
+
+
 def rotary_uses(cls: type, available: Callable[[str], str | None]) -> list[RotaryUse]:
     forward = getattr(cls, "forward", None)
     if forward is not None:
@@ -540,6 +555,8 @@ def classify(
         if module is model:
             verdict = head_verdict(model, available)
         elif (v := experts_verdict(module, available, experts_check)) is not None:
+            verdict = v
+        elif (v := attention_verdict(module, available)) is not None:
             verdict = v
         elif (v := mlp_verdict(module, available)) is not None:
             verdict = v

@@ -449,3 +449,74 @@ def probe_rotary(fn: Callable) -> tuple[str | None, str]:
     if not fits:
         return None, "neither rotate-half nor interleaved-pair RoPE: no kernel layer for it"
     return fits[0], ""
+
+
+# -- fused-qkv attention ----------------------------------------------------------------------
+
+
+def _eager_config(config: object) -> object:
+    """A shallow copy of ``config`` that selects transformers' eager attention (the probe runs
+    on the CPU, where flash kernels do not), leaving the model's config alone."""
+    probe = copy.copy(config)
+    probe.__dict__["_attn_implementation_internal"] = "eager"
+    if getattr(probe, "_attn_implementation", None) != "eager":  # another transformers layout
+        probe._attn_implementation = "eager"
+    return probe
+
+
+def qkv_attention_reference(
+    x: torch.Tensor, qkv: nn.Module, out: nn.Module, head_dim: int, scaling: float, cos, sin
+) -> torch.Tensor:
+    """What FusedQKVAttention computes (no mask, no dropout): qkv(x) split into [q | k | v]
+    blocks of heads, rotate-half RoPE over cos.shape[-1] dims of q and k, softmax attention
+    with k/v heads shared by groups, then ``out``."""
+    b, t = x.shape[:2]
+    heads = out.weight.shape[1] // head_dim
+    kv_heads = (qkv.weight.shape[0] - heads * head_dim) // (2 * head_dim)
+    fused = qkv(x)
+    q, k, v = fused.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
+    q, k, v = (y.reshape(b, t, -1, head_dim).transpose(1, 2) for y in (q, k, v))
+    q, k = rotate_half_reference(q, k, cos, sin)
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    weights = torch.softmax((q @ k.transpose(-1, -2)) * scaling, dim=-1)
+    return out((weights @ v).transpose(1, 2).reshape(b, t, heads * head_dim))
+
+
+def probe_qkv_attention(module: nn.Module, qkv_name: str, out_name: str) -> str:
+    """ "" when the module's own forward computes ``qkv_attention_reference`` at full and half
+    rotary width, else the one-line reason. Probed through a shallow copy: its head counts and
+    head_dim, the model width cut to 8 (small random projections), eager attention, no mask."""
+    hidden = 8
+    gen = torch.Generator().manual_seed(6)
+    probe = copy.copy(module)
+    probe._modules = dict(module._modules)
+    probe._parameters = {}
+    probe._buffers = {}
+    probe._forward_hooks = type(module._forward_hooks)()
+    probe._forward_pre_hooks = type(module._forward_pre_hooks)()
+    probe.__dict__.pop("forward", None)  # an instance-bound kernel forward
+    probe.training = False  # no dropout
+    width, q_width = (
+        module._modules[qkv_name].weight.shape[0],
+        module._modules[out_name].weight.shape[1],
+    )
+    qkv = probe._modules[qkv_name] = _small_linear(module._modules[qkv_name], hidden, width, gen)
+    out = probe._modules[out_name] = _small_linear(module._modules[out_name], q_width, hidden, gen)
+    probe.config = _eager_config(module.config)
+    head_dim = module.head_dim
+    x = torch.randn(2, 5, hidden, generator=gen)
+    for rotary in dict.fromkeys((head_dim, head_dim // 2 // 2 * 2)):
+        if rotary == 0:
+            continue
+        cos, sin = _cos_sin(2, 5, rotary, gen)
+        try:
+            with torch.no_grad():
+                got = probe(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)
+                want = qkv_attention_reference(x, qkv, out, head_dim, module.scaling, cos, sin)
+        except Exception as exc:  # noqa: BLE001 - a forward that needs more than these
+            return f"its forward failed on a probe input ({type(exc).__name__})"
+        got = got[0] if isinstance(got, tuple) else got
+        if not (isinstance(got, torch.Tensor) and _close(got, want, _FP32_RTOL)):
+            return "does not compute attention over [q | k | v] blocks with rotate-half RoPE"
+    return ""

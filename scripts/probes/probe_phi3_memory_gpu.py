@@ -1,26 +1,34 @@
-"""Phi-3-mini-4k's peak memory on one GPU: ours and the candidate fixes next to Liger.
+"""Phi-3-mini-4k's peak memory on one GPU: ours and its parts next to Liger.
 
 The CPU accounting (probe_phi3_memory.py, docs/benchmarks/training-h200-2026-12-01/phi3-memory.md)
-puts ours' 3.4 GiB above Liger in two places: v, a slice of qkv_proj's output, keeps the whole
+put ours' 3.4 GiB above Liger in two places: v, a slice of qkv_proj's output, kept the whole
 [tokens, 3 x hidden] buffer alive for sdpa's backward (96 MiB a layer at 4x2048 tokens: ~3.0 GiB),
-and the loss head's one-chunk logits buffer (501 MiB against Liger's 63 MiB). This measures each
-candidate on the real shape, all 32 layers, batch 4x2048, bf16, sdpa, AdamW (fused):
+and the loss head's one-chunk logits buffer (501 MiB against Liger's 63 MiB). Ours now binds
+FusedQKVAttention (q, k, v in buffers of their own, qkv freed after the split; d(qkv) written
+once; one additive sdpa mask for all layers instead of sdpa's copy per layer, 32 MiB a layer
+here) and caps the loss head's chunks (fused_linear_cross_entropy.row_cap: 2048 rows, 125 MiB).
+This measures each part on the real shape, all 32 layers, batch 4x2048, bf16, sdpa, AdamW
+(fused). A setup is "ours" plus suffixes, each taking one part out or adding a candidate:
 
-  ours                  kernels.apply_training_kernels(model) (the H200 run's "ours")
-  ours-vcopy            + sdpa gets a contiguous copy of v when v is a slice (qkv no longer pinned)
-  ours-chunk            + the loss head's logits budget at 64 MiB (1024 rows here, as Liger's)
-  ours-vcopy-chunk      both
-  ours-menorm-vcopy-chunk  + MemoryEfficientRMSNorm (the norms keep their output, not their input)
-  ours-cache            ours with transformers' KV cache left on (use_cache=True), as eager and
-                        Liger run: sdpa saves the cache's copies of k and v (two copies a layer)
+  ours                  kernels.apply_training_kernels(model), as bench_train.py's "ours"
+  -noqkv                the family's own attention forward (FusedQKVAttention unbound)
+  -permask              FusedQKVAttention without the shared mask (sdpa converts it per layer)
+  -onechunk             the loss head without row_cap (one 501 MiB chunk, the old policy)
+  -chunk                the loss head's logits budget at 64 MiB (1024 rows here, as Liger's)
+  -vcopy                sdpa gets a contiguous copy of v when v is a slice (with -noqkv)
+  -menorm               + MemoryEfficientRMSNorm (the norms keep their output, not their input)
+  -cache                transformers' KV cache left on (use_cache=True), as eager and Liger run
   liger                 liger_kernel's _apply_liger_kernel_to_instance (defaults)
 
+ours-noqkv-onechunk is the code the 2026-12-01 H200 run measured as "ours" (50.3 GiB, 419 ms).
+
 Per setup (own process): peak memory of a step (max_memory_allocated, steps after the first),
-the memory held at the end of the forward and the step time (median). With --snapshot-dir, a
-torch.cuda.memory snapshot of the last step per setup (open it at pytorch.org/memory_viz).
+the memory held at the end of the forward and the step time (median), the number of attention
+modules FusedQKVAttention serves. With --snapshot-dir, a torch.cuda.memory snapshot of the
+last step per setup (open it at pytorch.org/memory_viz).
 
 Usage (GPU): python scripts/probes/probe_phi3_memory_gpu.py [--setups ...] [--snapshot-dir DIR]
-On a machine without CUDA it says so and exits 0.
+(the default setups take ~1 min each). On a machine without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
 REPO = "kernels-lab/training"
-SETUPS = "ours,ours-vcopy,ours-cache,ours-chunk,ours-vcopy-chunk,ours-menorm-vcopy-chunk,liger"
+SETUPS = (
+    "ours,ours-noqkv-onechunk,ours-noqkv,ours-permask,ours-onechunk,ours-chunk,ours-menorm,liger"
+)
 CHUNK_BYTES = 64 * 2**20
 
 
@@ -72,6 +82,45 @@ def smaller_loss_chunks() -> None:
         m.default_chunk_rows = lambda n, v, size, _b=None, f=original: f(n, v, size, CHUNK_BYTES)
 
 
+def _loaded(suffix: str) -> list:
+    """The loaded kernel variant's modules whose name ends with ``suffix``."""
+    mods = [m for name, m in list(sys.modules.items()) if name.endswith(suffix)]
+    if not mods:
+        raise SystemExit(f"no loaded {suffix} module to patch")
+    return mods
+
+
+def unbind_qkv_attention(model) -> None:
+    """The attention modules run their own forward again (ours before FusedQKVAttention)."""
+    from kernels.layers.binding import restore_forward
+
+    for m in model.modules():
+        if type(m).__name__ == "Phi3Attention":
+            restore_forward(m)
+
+
+def mask_per_layer() -> None:
+    """FusedQKVAttention hands sdpa the model's bool mask, which sdpa converts per layer."""
+    for m in _loaded(".qkv_attention"):
+        m._sdpa_mask = lambda module, mask, dtype: mask
+
+
+def one_loss_chunk() -> None:
+    """The loss head's rows per chunk by the byte budget alone (no row_cap): the old policy."""
+    for m in _loaded(".fused_linear_cross_entropy"):
+        m.row_cap = lambda hidden, vocab, itemsize: 1 << 62
+
+
+def fused_qkv_modules(model) -> int:
+    from kernels.layers.binding import bound_layer
+
+    return sum(
+        1
+        for m in model.modules()
+        if getattr(bound_layer(m), "__name__", None) == "FusedQKVAttention"
+    )
+
+
 def bind(model, setup: str) -> None:
     if setup == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -82,6 +131,12 @@ def bind(model, setup: str) -> None:
     import kernels
 
     kernels.apply_training_kernels(model)
+    if "-noqkv" in setup:
+        unbind_qkv_attention(model)
+    if "-permask" in setup:
+        mask_per_layer()
+    if "-onechunk" in setup:
+        one_loss_chunk()
     if "-menorm" in setup:
         kernels.apply_kernels(model, {"RMSNorm": f"{REPO}:MemoryEfficientRMSNorm"})
     if "-vcopy" in setup:
@@ -133,6 +188,7 @@ def child(setup: str, steps: int, batch: int, seq: int, layers: int, snapshot: s
         "end_of_forward_gib": max(held[later]) / 2**30,
         "step_ms": statistics.median(times[later]) * 1e3,
         "losses": losses,
+        "fused_qkv_modules": fused_qkv_modules(model),
     }
 
 
@@ -176,16 +232,21 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     liger = next((r for r in rows if r["setup"] == "liger" and "error" not in r), None)
     print(f"\n{torch.cuda.get_device_name()}, batch {args.batch}x{args.seq}, {args.layers} layers")
-    print("| setup | peak GiB | end of forward GiB | step ms | peak vs Liger | final loss |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| setup | peak GiB | end of forward GiB | step ms | peak vs Liger | tokens/s vs Liger "
+        "| final loss | FusedQKVAttention modules |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['setup']} | error: {r['error']} | | | | |")
+            print(f"| {r['setup']} | error: {r['error']} | | | | | | |")
             continue
         rel = f"{r['peak_gib'] / liger['peak_gib']:.3f}x" if liger else ""
+        speed = f"{liger['step_ms'] / r['step_ms']:.3f}x" if liger else ""
         print(
             f"| {r['setup']} | {r['peak_gib']:.2f} | {r['end_of_forward_gib']:.2f} "
-            f"| {r['step_ms']:.0f} | {rel} | {r['losses'][-1]:.4f} |"
+            f"| {r['step_ms']:.0f} | {rel} | {speed} | {r['losses'][-1]:.4f} "
+            f"| {r.get('fused_qkv_modules', '')} |"
         )
 
 

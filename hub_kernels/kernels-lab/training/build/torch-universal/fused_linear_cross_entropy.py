@@ -8,12 +8,13 @@ chunk's rows of d(hidden) and its contribution to d(weight). The gradients are t
 in the forward (6·N·H·V flops in all) and the backward only rescales them by grad_output, which is
 skipped on the device when grad_output is 1.
 
-Extra memory is the logits buffer (at most ``MAX_CHUNK_BYTES``, 504 MiB) plus O(N + V)
+Extra memory is the logits buffer (at most ``MAX_CHUNK_BYTES``, 504 MiB, and at most
+``row_cap`` rows: no larger than d(weight) where that is over 1024 rows) plus O(N + V)
 fp32 scratch. d(weight) is accumulated in the weight's dtype: ``addmm`` adds each chunk's fp32
 product to it and rounds once per chunk. In bf16 that costs about sqrt(chunks / 2) times the
 rounding of a single product (measured in docs/losses.md); an fp32 accumulator would be exact but
 costs 4·V·H bytes (2 GiB at V=128256, H=4096), more than the whole budget, so chunks are made as
-large as the budget allows, which also keeps the matmuls near the device's peak rate.
+large as the budget and ``row_cap`` allow, which also keeps the matmuls near the device's peak rate.
 
 ``reduction="none"`` with a gradient needs the per-token grad_output before d(weight) can be
 summed, so that case defers all gradient work to the backward, where the logits are recomputed
@@ -54,6 +55,31 @@ def default_chunk_rows(n: int, vocab: int, itemsize: int, max_bytes: int = MAX_C
     return 1 << (cap.bit_length() - 1)
 
 
+# The training-step cap on rows per chunk (row_cap). In a training step the loss head runs
+# while every layer's activations are alive, so its logits buffer adds to the step's peak: a
+# 501 MiB single chunk at Phi-3-mini's 8192 tokens x 32064 vocabulary put the step 0.43 GiB
+# above Liger's (1024 rows, 63 MiB). The cap keeps the buffer no larger than d(weight) [V, H],
+# which the head holds anyway (rows <= H): Phi-3 gets 2048 rows, 125 MiB, in 4 chunks (3 more
+# read-modify-writes of its 188 MiB d(weight), ~0.25 ms at an H200's bandwidth, in a 419 ms
+# step). It never goes below MIN_CAP_ROWS rows, the size the fused loss was measured fastest at
+# (N16384 H1024 V151936: 16 chunks of 1024 rows), nor below what fits SMALL_CHUNK_BYTES (small
+# vocabularies keep one chunk: their matmuls are too short to split). The op benchmarks' shapes
+# keep their rows: H1024 V151936 1024 (the byte budget's), H4096 V128256 2048 (the budget's).
+MIN_CAP_ROWS = 1024
+SMALL_CHUNK_BYTES = 64 * 2**20
+
+
+def _prev_pow2(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def row_cap(hidden: int, vocab: int, itemsize: int) -> int:
+    """The most rows per chunk a training step's loss head takes: the larger of H,
+    MIN_CAP_ROWS and the rows fitting SMALL_CHUNK_BYTES (powers of two); see above."""
+    small = SMALL_CHUNK_BYTES // max(1, vocab * itemsize)
+    return max(MIN_CAP_ROWS, _prev_pow2(hidden), _prev_pow2(small))
+
+
 @dataclass(frozen=True)
 class _Options:
     ignore_index: int
@@ -85,7 +111,10 @@ def _chunked(
     vocab = weight.shape[0]
     need_x, need_w, need_b = need
     write_grad = need_x or need_w or need_b
-    rows = opts.chunk_rows or default_chunk_rows(n, vocab, hidden.element_size())
+    rows = opts.chunk_rows or min(
+        default_chunk_rows(n, vocab, hidden.element_size()),
+        row_cap(hidden.shape[1], vocab, hidden.element_size()),
+    )
     buf = torch.empty(min(rows, n), vocab, dtype=hidden.dtype, device=hidden.device)
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     dx = torch.empty_like(hidden) if need_x else None

@@ -424,3 +424,33 @@ class ReLUSquaredMLP(nn.Module):
         if out is None:
             out = down(relu_squared(up(x), in_place=_outputs_private(up)))
         return out
+
+
+# Attention with one fused q/k/v projection (Phi-3's qkv_proj; qkv_attention.py).
+from .qkv_attention import qkv_attention  # noqa: E402
+
+
+class FusedQKVAttention(nn.Module):
+    """Phi-3-style attention: ``qkv = qkv_proj(x)`` holding [q | k | v] in three blocks,
+    rotate-half RoPE (partial or full), the model's attention function, ``o_proj``. The split
+    and the rotation are one node that keeps only cos/sin: qkv is freed after it (v no longer
+    pins it for the attention's backward) and d(qkv) is written once. A call with a KV cache,
+    or under torch.compile, runs the module's own forward.
+
+    The projections are ``qkv_proj`` and ``o_proj``, or the child names the class attribute
+    ``kernels_qkv_projections`` gives (the loader's structure probe sets it)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache=None,
+        **kwargs,
+    ):
+        return qkv_attention(
+            self, hidden_states, position_embeddings, attention_mask, cache, kwargs
+        )

@@ -274,18 +274,17 @@ def _out_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def rotate(
-    q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, in_place=(False, False)
-):
+def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=(None, None)):
     """Triton rotation of q and k (the inverse rotation when `backward`).
 
     `repeats`: what halves_repeat answers (asked by default): True, False, None or a device flag.
-    `in_place`: per tensor, write the rotation over it (head_dim of unit stride, no two elements
-    at one address; each program reads its elements before it writes them) instead of into a
-    new tensor; the caller owns the aliasing and the version counter.
+    `out`: per tensor, where to write: None for a new tensor laid out like the input; a tensor
+    shaped like it with unit head_dim stride (a view into one fused buffer); or the input itself,
+    to rotate in place (no two elements at one address; each program reads its elements before
+    it writes them). The caller owns any aliasing and the version counters.
     """
-    qo = q if in_place[0] else _out_like(q)
-    ko = k if in_place[1] else _out_like(k)
+    qo = _out_like(q) if out[0] is None else out[0]
+    ko = _out_like(k) if out[1] is None else out[1]
     qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
     qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
     b, hq, t, d = qv.shape
@@ -449,9 +448,8 @@ class _RopeFunction(torch.autograd.Function):
         in_q, in_k = _own_memory(q), _own_memory(k)
         if in_q and in_k and _overlap(q, k):
             in_q = in_k = False
-        qo, ko = rotate(
-            q, k, cos, sin, unsqueeze_dim, False, repeats=repeats, in_place=(in_q, in_k)
-        )
+        out = (q if in_q else None, k if in_k else None)
+        qo, ko = rotate(q, k, cos, sin, unsqueeze_dim, False, repeats=repeats, out=out)
         # The Triton kernel wrote behind autograd's back: bump the counters it would have.
         if in_q:
             torch.autograd.graph.increment_version(q)
@@ -465,10 +463,11 @@ class _RopeFunction(torch.autograd.Function):
         # retain_graph (the graph runs again) or create_graph (the gradients are themselves
         # in a graph): new buffers, as the other in-place backwards do.
         freed = graph_is_freed()
-        in_place = (freed and _private_grad(dq), freed and _private_grad(dk))
-        dq, dk = rotate(
-            dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats, in_place=in_place
+        out = (
+            dq if freed and _private_grad(dq) else None,
+            dk if freed and _private_grad(dk) else None,
         )
+        dq, dk = rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats, out=out)
         return dq, dk, None, None, None
 
 
