@@ -28,6 +28,7 @@ import torch
 
 from .cross_entropy import (
     CrossEntropyOutput,
+    Scratch,
     ce_rows,
     check_options,
     check_target_range,
@@ -107,6 +108,9 @@ def _chunked(
         torch.empty(n, dtype=torch.float32, device=hidden.device) if opts.token_scaling else None
     )
     wt = weight.t()
+    # The CE kernel's slots and counters for every chunk at once: no allocation or fill per
+    # chunk, so the host stays further ahead of the GPU.
+    scratch = Scratch(-(-n // rows))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         x = hidden[r0:r1]
@@ -136,6 +140,7 @@ def _chunked(
             z_scale=zscale,
             pred=None if pred is None else pred[r0:r1],
             out=(loss[r0:r1], lse),
+            scratch=scratch,
         )
         if opts.token_scaling:
             # Liger's token scaling: each row's loss and gradient times its target's softmax
