@@ -380,3 +380,37 @@ def test_scratch_gives_each_launch_fresh_counters(ce):
     # more launches than planned: new zeros, never a used counter
     _, extra = scratch.take(40, 11, torch.device("cpu"))
     assert (extra == 0).all()
+
+
+PERSISTENT = {
+    # the queue, programs taking tiles from the ticket counter until it runs past the last
+    "queue-ticket": dict(queue=True, ticket=True, persist=2),
+    # tiles pid, pid + grid, ...: one program on the interpreter (see _lean_rows)
+    "queue-static": dict(queue=True, ticket=False, persist=2),
+    "pair-ticket": dict(queue=True, pair=True, ticket=True, persist=3),
+    # a spin config: several chunks per row, so the interpreter takes the queue schedule
+    "spin-ticket": dict(spin=True, ticket=True, persist=2),
+}
+
+
+@pytest.mark.parametrize("fields", list(PERSISTENT.values()), ids=list(PERSISTENT))
+def test_lean_persistent_grid(ce, fields):
+    """CEConfig(persist=k): k programs per SM (the interpreter counts 4 SMs) loop over the
+    tiles instead of one program per tile. Every row's loss and every gradient element (the
+    gradient buffer poisoned with NaN) against float64, with ignored rows; launched with the
+    grid the config asks for."""
+    vocab, n = 1531, 24
+    cfg = ce.CEConfig(chunk=512, block=256, num_warps=4, lean=True, **fields)
+    logits, target = make_inputs(n, vocab, torch.float32)
+    ref_loss, ref_dx = reference(logits, target, smoothing=0.1, reduction="none")
+    grad = torch.full_like(logits, float("nan"))
+    with TritonLaunches(ce) as launches:
+        loss, _ = ce.ce_rows(logits, target, grad, torch.ones(1), label_smoothing=0.1, config=cfg)
+    (launch,) = launches.of("_ce_lean_kernel")
+    assert launch.options["PERSIST"] and launch.options["QUEUE"]
+    chunks = 3  # ceil((1531 + 3) / 512): unaligned fp32 rows read from 3 columns earlier
+    tiles = (n + cfg.lag) * chunks * (1 if cfg.pair else 2)
+    assert launch.grid == ((min(tiles, cfg.persist * 4) if cfg.ticket else 1),)
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert rel_err(grad, ref_dx) < 2e-5
+    assert (grad[target == -100] == 0).all()

@@ -644,22 +644,18 @@ def _lean_task(
             )  # fmt: skip
 
 
-@fast_launch
 @triton.jit
-def _ce_lean_kernel(
-    logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
+def _lean_tile(
+    t, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
     gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing, lse_sq_scale, cap,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr,
     R: tl.constexpr, KW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUEUE: tl.constexpr,
-    PAIR: tl.constexpr, TICKET: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr,
+    PAIR: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr,
     VEC: tl.constexpr, REVERSE: tl.constexpr, LOAD_POLICY: tl.constexpr,
     STORE_POLICY: tl.constexpr,
 ):  # fmt: skip
-    if TICKET:
-        t = tl.atomic_add(count_ptr + n_rows, 1)
-    else:
-        t = tl.program_id(0)
+    """Tile t of the schedule: the task(s) one program does when the grid has one per tile."""
     if QUEUE and PAIR:
         # One program, two tasks on the same chunk index: reduce row j, then write row j - LAG
         # (whose reduce tasks all belong to programs with smaller tickets, which did them first).
@@ -695,6 +691,57 @@ def _ce_lean_kernel(
             stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
             lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP, HAS_SMOOTHING,
             WRITE_GRAD, HAS_ROW_SCALE, QUEUE, ALIGN, VEC, REVERSE, LOAD_POLICY, STORE_POLICY,
+        )  # fmt: skip
+
+
+@fast_launch
+@triton.jit
+def _ce_lean_kernel(
+    logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
+    gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing, lse_sq_scale, cap, n_tiles,
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr,
+    R: tl.constexpr, KW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUEUE: tl.constexpr,
+    PAIR: tl.constexpr, TICKET: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr,
+    VEC: tl.constexpr, REVERSE: tl.constexpr, LOAD_POLICY: tl.constexpr,
+    STORE_POLICY: tl.constexpr, PERSIST: tl.constexpr,
+):  # fmt: skip
+    # PERSIST: a grid smaller than the n_tiles tiles, each program looping over them (fewer CTA
+    # launches): with TICKET the next tile from the counter, so a program again only waits for
+    # tiles already taken or taken next; otherwise tiles pid, pid + grid, ... (safe for a spin
+    # only while the whole grid is resident and holds more programs than a row has chunks).
+    if PERSIST:
+        if TICKET:
+            t = tl.atomic_add(count_ptr + n_rows, 1)
+            while t < n_tiles:
+                _lean_tile(
+                    t, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr,
+                    count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+                    lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP,
+                    HAS_SMOOTHING, WRITE_GRAD, HAS_ROW_SCALE, QUEUE, PAIR, LAG, ALIGN, VEC,
+                    REVERSE, LOAD_POLICY, STORE_POLICY,
+                )  # fmt: skip
+                t = tl.atomic_add(count_ptr + n_rows, 1)
+        else:
+            for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+                _lean_tile(
+                    t, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr,
+                    count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+                    lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP,
+                    HAS_SMOOTHING, WRITE_GRAD, HAS_ROW_SCALE, QUEUE, PAIR, LAG, ALIGN, VEC,
+                    REVERSE, LOAD_POLICY, STORE_POLICY,
+                )  # fmt: skip
+    else:
+        if TICKET:
+            t = tl.atomic_add(count_ptr + n_rows, 1)
+        else:
+            t = tl.program_id(0)
+        _lean_tile(
+            t, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr,
+            count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+            lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP, HAS_SMOOTHING,
+            WRITE_GRAD, HAS_ROW_SCALE, QUEUE, PAIR, LAG, ALIGN, VEC, REVERSE, LOAD_POLICY,
+            STORE_POLICY,
         )  # fmt: skip
 
 
@@ -754,6 +801,9 @@ class CEConfig:
     and then the write task of the same chunk ``lag`` rows back (half the programs and
     tickets). ``maxnreg``: cap the lean kernel's registers per
     thread (GPU), so more programs fit an SM (32 lets 16 programs of 4 warps share one).
+    ``persist``: launch that many lean programs per SM (0: one per tile), each looping over
+    tiles, the next one from the ticket counter (``ticket``) or pid, pid + grid, ... (a spin
+    then relies on the whole grid being resident at once: GPU only, opt-in).
     """
 
     chunk: int
@@ -769,6 +819,7 @@ class CEConfig:
     reverse: bool = False
     maxnreg: int | None = None
     pair: bool = False
+    persist: int = 0
 
     def __post_init__(self):
         if self.one_pass and self.chunk != self.block:
@@ -1027,7 +1078,15 @@ def _lean_rows(
     tasks = n * num_chunks
     if queue:
         tasks = (n + cfg.lag) * num_chunks * (1 if cfg.pair else 2)
-    _ce_lean_kernel[(tasks,)](
+    grid = tasks
+    if cfg.persist:
+        if logits.is_cuda or cfg.ticket:
+            grid = min(tasks, cfg.persist * sm_count(logits.device))
+        else:
+            # The interpreter runs programs one after another: the tiles pid, pid + grid, ...
+            # of program 0 would include write tasks that wait for later programs' reduces.
+            grid = 1
+    _ce_lean_kernel[(grid,)](
         logits,
         out,
         stride,
@@ -1044,6 +1103,7 @@ def _lean_rows(
         float(smoothing),
         float(lse_sq),
         float(softcap) if softcap else 1.0,
+        tasks,
         CHUNK=cfg.chunk,
         NUM_CHUNKS=num_chunks,
         NC_POW2=max(2, next_pow2(num_chunks)),
@@ -1062,6 +1122,7 @@ def _lean_rows(
         REVERSE=cfg.reverse,
         LOAD_POLICY="evict_last" if cfg.evict else "",
         STORE_POLICY="evict_first" if cfg.evict else "",
+        PERSIST=cfg.persist > 0,
         num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and logits.is_cuda else {}),
     )
