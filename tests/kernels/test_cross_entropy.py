@@ -414,3 +414,24 @@ def test_lean_persistent_grid(ce, fields):
     assert rel_err(loss, ref_loss) < 1e-6
     assert rel_err(grad, ref_dx) < 2e-5
     assert (grad[target == -100] == 0).all()
+
+
+@pytest.mark.parametrize("device_kind", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vocab", [2, 3, 5])
+def test_default_config_tiny_vocab(ce, monkeypatch, device_kind, dtype, vocab):
+    """A binary or 3-class head (nn.CrossEntropyLoss over 2 classes): the default config, the
+    interpreter's and a GPU's, still gives the lean kernel whole 16-byte vectors to read (a
+    block of 2 or 4 bf16 columns held none: the kernel could not be built)."""
+    monkeypatch.delenv("KERNELS_CE_CONFIG", raising=False)
+    cfg = ce.default_config(vocab, torch.device(device_kind))
+    monkeypatch.setattr(ce, "default_config", lambda v, device: cfg)
+    logits, target = make_inputs(10, vocab, dtype)
+    ref_loss, ref_dx = reference(logits, target)
+    x = logits.clone().requires_grad_(True)
+    with TritonLaunches(ce) as launches:
+        loss = ce.cross_entropy(x, target)
+    launches.assert_launched("_ce_lean_kernel")
+    loss.backward()
+    assert rel_err(loss.detach(), ref_loss) < (1e-6 if dtype == torch.float32 else 1e-5)
+    assert rel_err(x.grad, ref_dx) < TOL[dtype]

@@ -887,17 +887,21 @@ def default_config(vocab: int, device: torch.device) -> CEConfig:
     return _default_config(vocab, device.type == "cuda")
 
 
+# The lean kernel reads a block as 16-byte vectors (up to 16 elements): no block may be smaller.
+MIN_BLOCK = 16
+
+
 @functools.lru_cache(maxsize=64)
 def _default_config(vocab: int, cuda: bool) -> CEConfig:
     # Cached: this runs on every call (per chunk in the fused linear CE).
     if not cuda:
         if vocab <= 1024:
-            block = next_pow2(vocab)
+            block = max(MIN_BLOCK, next_pow2(vocab))
             return CEConfig(
                 chunk=block, block=block, num_warps=4, one_pass=True, lean=True, spin=True
             )
         return CEConfig(chunk=1024, block=512, num_warps=4, lean=True, spin=True)
-    block = min(next_pow2(vocab), 2048)
+    block = max(MIN_BLOCK, min(next_pow2(vocab), 2048))
     chunk = min(cdiv(vocab, block) * block, 8192)
     return CEConfig(chunk=chunk, block=block, num_warps=4, spin=True, lean=True, maxnreg=40)
 
