@@ -1085,7 +1085,8 @@ def _lean_rows(
     grid = tasks
     if cfg.persist:
         if logits.is_cuda or cfg.ticket:
-            grid = min(tasks, cfg.persist * sm_count(logits.device))
+            # Never fewer programs than a row has chunks: spinning, they wait for each other.
+            grid = min(tasks, max(cfg.persist * sm_count(logits.device), num_chunks))
         else:
             # The interpreter runs programs one after another: the tiles pid, pid + grid, ...
             # of program 0 would include write tasks that wait for later programs' reduces.
