@@ -180,7 +180,8 @@ def test_default_paths_never_wait_for_the_gpu(kt, ce, fl, num_items):
     torch.cuda.set_sync_debug_mode("error"): any device-to-host sync (an .item(), a bool of a
     device tensor, a nonzero, a copy from pageable host memory such as a host-held num_items
     moved to the device) raises. A sync would expose the host's work after it as GPU idle time
-    on every call; then the results against fp32 torch."""
+    on every call; then the results against fp32 torch. ForCausalLMLoss gets its labels on the
+    host, as a caller that never moved them would pass them."""
     layers = importlib.import_module(f"{kt.__name__}.loss_layers")
     if num_items == "host-tensor":
         num_items = torch.tensor(3000)
@@ -191,12 +192,13 @@ def test_default_paths_never_wait_for_the_gpu(kt, ce, fl, num_items):
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(vocab, hdim, device="cuda") * hdim**-0.5 * 2).bfloat16().requires_grad_()
     t = targets(n, vocab)
+    t_host = t.cpu()
 
     def calls():
         x = logits.clone().requires_grad_(True)
         (dx,) = torch.autograd.grad(ce.cross_entropy(x, t, num_items=num_items), x)
         y = logits.clone().requires_grad_(True)
-        loss = layers.ForCausalLMLoss(y[None], t[None], vocab, num_items_in_batch=num_items)
+        loss = layers.ForCausalLMLoss(y[None], t_host[None], vocab, num_items_in_batch=num_items)
         (dy,) = torch.autograd.grad(loss, y)
         flce = fl.fused_linear_cross_entropy(h, w, t, num_items=num_items, chunk_rows=1024)
         return dx, dy, flce, torch.autograd.grad(flce, [h, w])
