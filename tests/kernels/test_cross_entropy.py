@@ -435,3 +435,30 @@ def test_default_config_tiny_vocab(ce, monkeypatch, device_kind, dtype, vocab):
     loss.backward()
     assert rel_err(loss.detach(), ref_loss) < (1e-6 if dtype == torch.float32 else 1e-5)
     assert rel_err(x.grad, ref_dx) < TOL[dtype]
+
+
+def test_backward_fills_no_gradients_for_the_extras(ce, kt):
+    """The loss functions return three never-differentiable extras (empty unless asked for);
+    autograd would hand their backward zero-filled gradients on every call (three allocations
+    and dispatches of host time) unless told not to materialise them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    fl = importlib.import_module(f"{kt.__name__}.fused_linear_cross_entropy")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    logits, target = make_inputs(8, 1000, torch.float32)
+    x = logits.clone().requires_grad_(True)
+    w = torch.randn(1000, 16, requires_grad=True)
+    h = torch.randn(8, 16, requires_grad=True)
+    for loss in (ce.cross_entropy(x, target), fl.fused_linear_cross_entropy(h, w, target)):
+        with Ops() as ops:
+            loss.backward()
+        assert not [op for op in ops.seen if "zeros" in op], ops.seen

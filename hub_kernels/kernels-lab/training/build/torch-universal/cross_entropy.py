@@ -1403,12 +1403,14 @@ class CrossEntropyFunction(torch.autograd.Function):
         empty = loss.new_empty(0)
         outs = [t if t is not None else empty for t in extras]
         ctx.mark_non_differentiable(*outs)
+        # No zero-filled gradients for the extras (never differentiable) on every backward.
+        ctx.set_materialize_grads(False)
         return (total, *outs)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *_extras):
         grad, ctx.grad = ctx.grad, None
-        if grad is None:
+        if grad is None or grad_out is None:  # None: no gradient reached the loss
             return (None,) * 12
         scale_rows_(grad, grad_out)
         return (grad,) + (None,) * 11

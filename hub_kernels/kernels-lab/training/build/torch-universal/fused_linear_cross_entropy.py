@@ -211,10 +211,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         empty = loss.new_empty(0)
         outs = [t if t is not None else empty for t in out]
         ctx.mark_non_differentiable(*outs)
+        # No zero-filled gradients for the extras (never differentiable) on every backward.
+        ctx.set_materialize_grads(False)
         return (total, *outs)
 
     @staticmethod
     def backward(ctx, grad_out, *_extras):
+        if grad_out is None:  # no gradient reached the loss
+            ctx.grads = None
+            return (None,) * 7
         if ctx.deferred:
             hidden, weight, bias, target = ctx.saved_tensors
             ones = torch.ones(1, dtype=torch.float32, device=hidden.device)
