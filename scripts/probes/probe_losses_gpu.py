@@ -10,7 +10,7 @@ patched to return, so the fused linear CE runs it too. Each variant's loss and g
 checked against the default's on the same inputs (bf16: gradients within 1e-2, the loss within
 1e-5, relative); a failed check is printed in the row and the variant never wins.
 
-Stages (a later stage is skipped once --budget-s is spent; with 35 variants at the anchor give it
+Stages (a later stage is skipped once --budget-s is spent; with 37 variants at the anchor give it
 --budget-s 400 to reach every stage):
 1. every CE variant at 8192 x 151936 (the issue's anchor), plus Liger and torch.compile;
 2. the default and the three fastest variants of stage 1 at 4096 x 256000, 8192 x 32000,
@@ -96,6 +96,10 @@ def variants() -> dict[str, object]:
         "lean queue 8192/2048 w4 r32 persist12": C(
             8192, 2048, 4, lean=True, queue=True, maxnreg=32, persist=12
         ),
+        # uncapped, the persistent loop needs 64 registers (sm_90, triton 3.9): exactly 8 per SM
+        "lean spin 8192/2048 w4 persist8": C(8192, 2048, 4, spin=True, lean=True, persist=8),
+        # one block per chunk, 63 registers on 8 warps: 4 programs per SM, 16 KB loads each
+        "lean spin 8192/8192 w8 persist4": C(8192, 8192, 8, spin=True, lean=True, persist=4),
         # the queue schedule (any device) and its pair form, all slower on 12:13 UTC
         "lean queue 8192/2048 w4 lag4": C(8192, 2048, 4, lean=True, queue=True),
         "lean queue 8192/2048 w4 lag1": C(8192, 2048, 4, lean=True, queue=True, lag=1),
