@@ -10,7 +10,8 @@ patched to return, so the fused linear CE runs it too. Each variant's loss and g
 checked against the default's on the same inputs (bf16: gradients within 1e-2, the loss within
 1e-5, relative); a failed check is printed in the row and the variant never wins.
 
-Stages (a later stage is skipped once --budget-s is spent; the default fits in 3 minutes):
+Stages (a later stage is skipped once --budget-s is spent; with 37 variants at the anchor give it
+--budget-s 400 to reach every stage):
 1. every CE variant at 8192 x 151936 (the issue's anchor), plus Liger and torch.compile;
 2. the default and the three fastest variants of stage 1 at 4096 x 256000, 8192 x 32000,
    8192 x 262144 and 8192 x 50257 (a row length that is not a multiple of 8), plus Liger;
@@ -21,6 +22,15 @@ One table at the end (and JSON under --out).
 
 ``--confirm NAME,...`` instead times the default and the named variants at every shape of the
 ce sweep and four FLCE shapes, against Liger (about 2 minutes).
+
+``--host`` instead asks where a call's wall time beyond its device time goes (about a minute), at
+the CE anchor, CE 8192 x 32000 and the two FLCE shapes, with the default config: the syncs one
+call makes (set_sync_debug_mode("warn")), the host time of one call issued behind a long sleep
+kernel (a sync inside the call would show as the sleep's length), device time, do_bench wall time
+as the harness takes it (rep 50 ms: a single sample for a 25 ms call) and with rep 1000 ms, the
+median of 10 calls run back to back behind one sleep (no host gap possible; with and without an
+L2 flush between calls), and the SM clock and power draw read while those calls run. Back to back
+close to wall and above device time: the GPU runs slower under sustained load, not the host.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 import bench_cases_losses as b  # noqa: E402
-from bench_harness import _device_ms, _wall_ms  # noqa: E402
+from bench_harness import _device_ms, _sleep_cycles_per_ms, _wall_ms  # noqa: E402
 
 ce = b._ours("cross_entropy")
 fl = b._ours("fused_linear_cross_entropy")
@@ -44,13 +54,53 @@ C = ce.CEConfig
 
 
 def variants() -> dict[str, object]:
-    """name -> CEConfig (None: the shipped default)."""
+    """name -> CEConfig (None: the shipped default). The candidates around the default come
+    first; the queue and pair schedules last (2.0-3.1 ms at the anchor on 12:13 UTC)."""
     return {
         "default": None,
-        # the kernel the default ran before issue 17 (today the same: a measure of the noise)
+        # the default before issue 17's probe run of 12:13 UTC, and the default itself again
+        # (the second copy measures the noise)
         "old kernel spin 8192/2048 w4": C(8192, 2048, 4, spin=True),
+        "lean spin 8192/2048 w4 r40": C(8192, 2048, 4, spin=True, lean=True, maxnreg=40),
         "lean spin 8192/2048 w4": C(8192, 2048, 4, spin=True, lean=True),
+        # around the default: registers, chunk and block sizes, warps, re-read order, L2 hints
+        "lean spin 8192/2048 w4 r32": C(8192, 2048, 4, spin=True, lean=True, maxnreg=32),
+        "lean spin 8192/2048 w4 r48": C(8192, 2048, 4, spin=True, lean=True, maxnreg=48),
+        "lean spin 16384/2048 w4 r40": C(16384, 2048, 4, spin=True, lean=True, maxnreg=40),
+        "lean spin 4096/2048 w4 r40": C(4096, 2048, 4, spin=True, lean=True, maxnreg=40),
+        "lean spin 8192/1024 w4 r40": C(8192, 1024, 4, spin=True, lean=True, maxnreg=40),
+        "lean spin 8192/2048 w2 r40": C(8192, 2048, 2, spin=True, lean=True, maxnreg=40),
+        "lean spin 8192/2048 w8 r40": C(8192, 2048, 8, spin=True, lean=True, maxnreg=40),
+        "lean spin 8192/4096 w8 r40": C(8192, 4096, 8, spin=True, lean=True, maxnreg=40),
+        "lean spin 8192/2048 w4 r40 reverse": C(
+            8192, 2048, 4, spin=True, lean=True, maxnreg=40, reverse=True
+        ),
+        "lean spin 8192/2048 w4 r40 evict": C(
+            8192, 2048, 4, spin=True, lean=True, maxnreg=40, evict=True
+        ),
         "lean spin 8192/2048 w4 evict": C(8192, 2048, 4, spin=True, lean=True, evict=True),
+        # one block per chunk, spinning: all of a chunk's loads issued at once (only the queue
+        # was tried so; the row's re-read is then one load per program)
+        "lean spin 8192/8192 w8": C(8192, 8192, 8, spin=True, lean=True),
+        "lean spin 8192/8192 w8 r64": C(8192, 8192, 8, spin=True, lean=True, maxnreg=64),
+        "lean spin 4096/4096 w4": C(4096, 4096, 4, spin=True, lean=True),
+        "lean spin 4096/4096 w8 r40": C(4096, 4096, 8, spin=True, lean=True, maxnreg=40),
+        # persistent grids (k programs per SM looping over tiles from the ticket counter): one
+        # CTA launch per program instead of per tile (155 k tiles at the anchor)
+        "lean spin 8192/2048 w4 r40 persist8": C(
+            8192, 2048, 4, spin=True, lean=True, maxnreg=40, persist=8
+        ),
+        "lean spin 8192/2048 w4 r40 persist12": C(
+            8192, 2048, 4, spin=True, lean=True, maxnreg=40, persist=12
+        ),
+        "lean queue 8192/2048 w4 r32 persist12": C(
+            8192, 2048, 4, lean=True, queue=True, maxnreg=32, persist=12
+        ),
+        # uncapped, the persistent loop needs 64 registers (sm_90, triton 3.9): exactly 8 per SM
+        "lean spin 8192/2048 w4 persist8": C(8192, 2048, 4, spin=True, lean=True, persist=8),
+        # one block per chunk, 63 registers on 8 warps: 4 programs per SM, 16 KB loads each
+        "lean spin 8192/8192 w8 persist4": C(8192, 8192, 8, spin=True, lean=True, persist=4),
+        # the queue schedule (any device) and its pair form, all slower on 12:13 UTC
         "lean queue 8192/2048 w4 lag4": C(8192, 2048, 4, lean=True, queue=True),
         "lean queue 8192/2048 w4 lag1": C(8192, 2048, 4, lean=True, queue=True, lag=1),
         "lean queue 8192/2048 w4 evict": C(8192, 2048, 4, lean=True, queue=True, evict=True),
@@ -61,7 +111,6 @@ def variants() -> dict[str, object]:
         "lean queue 8192/2048 w4 r32": C(8192, 2048, 4, lean=True, queue=True, maxnreg=32),
         "lean queue 4096/2048 w4 r32": C(4096, 2048, 4, lean=True, queue=True, maxnreg=32),
         "lean queue 16384/2048 w4 r32": C(16384, 2048, 4, lean=True, queue=True, maxnreg=32),
-        "lean spin 8192/2048 w4 r40": C(8192, 2048, 4, spin=True, lean=True, maxnreg=40),
         # one program does a reduce task, then the write task lag rows back: half the tickets
         "lean pair 8192/2048 w4": C(8192, 2048, 4, lean=True, queue=True, pair=True),
         "lean pair 8192/2048 w4 r32": C(
@@ -79,6 +128,14 @@ def variants() -> dict[str, object]:
 BY_PROGRAM_ID = {
     "lean spin 8192/2048 w4 pid": C(8192, 2048, 4, spin=True, lean=True, ticket=False),
     "lean queue 8192/2048 w4 pid": C(8192, 2048, 4, lean=True, queue=True, ticket=False),
+    # the default without its ticket atomic (155 k atomics on one address at the anchor)
+    "lean spin 8192/2048 w4 r40 pid": C(
+        8192, 2048, 4, spin=True, lean=True, maxnreg=40, ticket=False
+    ),
+    # a fixed grid of 8 programs per SM, tiles pid, pid + grid, ...: needs the grid resident
+    "lean spin 8192/2048 w4 r40 persist8 pid": C(
+        8192, 2048, 4, spin=True, lean=True, maxnreg=40, persist=8, ticket=False
+    ),
 }
 
 
@@ -262,7 +319,7 @@ CONFIRM_FLCE = [(16384, 1024, 151936), (8192, 2048, 256000), (8192, 2048, 32000)
 
 def confirm(names: list[str], args) -> int:
     """The default and the named variants at every shape of the sweeps, with Liger."""
-    table_vars = variants()
+    table_vars = variants() | BY_PROGRAM_ID
     unknown = [n for n in names if n not in table_vars]
     if unknown:
         print(f"unknown variants {unknown}; known: {list(table_vars)}", file=sys.stderr)
@@ -298,11 +355,126 @@ def confirm(names: list[str], args) -> int:
     return 0
 
 
+def _sleep(ms: float) -> None:
+    torch.cuda._sleep(int(_sleep_cycles_per_ms() * ms))
+
+
+def _gpu_readings() -> dict:
+    """SM clock (MHz) and power (W) now, where torch can read them (pynvml)."""
+    out = {}
+    for key, read in (("sm_mhz", torch.cuda.clock_rate), ("power_w", torch.cuda.power_draw)):
+        try:
+            value = read()
+            out[key] = value / 1000 if key == "power_w" else value  # power_draw is in mW
+        except Exception:  # noqa: BLE001 - no pynvml: the reading is left out
+            pass
+    return out
+
+
+def host_gap_row(op: str, shape: str, fn) -> dict:
+    """Where fn()'s wall time beyond its device time goes (see the module docstring)."""
+    import warnings
+
+    row: dict = {"op": op, "shape": shape, "impl": "default"}
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    syncs = [str(w.message).splitlines()[0][:80] for w in seen if "synchroniz" in str(w.message)]
+    row["syncs"] = len(syncs)
+    if syncs:
+        row["first_sync"] = syncs[0]
+    # Host time of one call with the GPU busy for 200 ms: a sync inside would wait that out.
+    _sleep(200.0)
+    t0 = time.perf_counter()
+    fn()
+    row["host_ms"] = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    row["device_ms"] = _device_ms(fn)
+    row["wall_ms"] = _wall_ms(fn)
+    from triton.testing import do_bench
+
+    row["wall_ms_rep1000"] = do_bench(fn, warmup=100, rep=1000, return_mode="median")
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    for flush in (False, True):
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(10)
+        ]
+        _sleep(min(500.0, 20 * row["host_ms"] + 5))  # the host queues all 10 calls first
+        for start, end in events:
+            if flush:
+                cache.zero_()
+            start.record()
+            fn()
+            end.record()
+        readings = [_gpu_readings() for _ in range(3)]  # while the queued calls run
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in events)
+        key = "back_to_back_flushed_ms" if flush else "back_to_back_ms"
+        row[key] = times[len(times) // 2]
+        for k in ("sm_mhz", "power_w"):
+            vals = [r[k] for r in readings if k in r]
+            if vals:
+                row[f"{k}_{'flushed' if flush else 'b2b'}"] = max(vals)
+    row.update({f"{k}_idle": v for k, v in _gpu_readings().items()})
+    print(row, flush=True)
+    return row
+
+
+def host_gaps(args) -> int:
+    """--host: the default's wall-versus-device gap, taken apart (module docstring)."""
+    rows = []
+    for n, v in ((8192, 151936), (8192, 32000)):
+        logits, t = ce_inputs(n, v)
+        x = logits.clone().requires_grad_(True)
+        rows.append(
+            host_gap_row(
+                "CE", f"{n}x{v}", lambda x=x, t=t: torch.autograd.grad(ce.cross_entropy(x, t), x)
+            )
+        )
+        del logits, x
+        torch.cuda.empty_cache()
+    for n, h, v in ((16384, 1024, 151936), (8192, 2048, 256000)):
+        hid, w, t = flce_inputs(n, h, v)
+
+        def fn(hid=hid, w=w, t=t):
+            return torch.autograd.grad(fl.fused_linear_cross_entropy(hid, w, t), [hid, w])
+
+        rows.append(host_gap_row("FLCE", f"N{n} H{h} V{v}", fn))
+        del hid, w, t
+        torch.cuda.empty_cache()
+    keys = ["syncs", "host_ms", "device_ms", "wall_ms", "wall_ms_rep1000", "back_to_back_ms",
+            "back_to_back_flushed_ms", "sm_mhz_b2b", "power_w_b2b", "sm_mhz_idle"]  # fmt: skip
+    lines = ["| op | shape | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for r in rows:
+        cells = [f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
+        lines.append(f"| {r['op']} | {r['shape']} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe_losses_host.json").write_text(json.dumps(rows, indent=1, default=str))
+        (args.out / "probe_losses_host.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--budget-s", type=float, default=170.0)
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="instead: where the default's wall time beyond its device time goes (syncs, host "
+        "time, back-to-back device time, clocks) at two CE and two FLCE shapes",
+    )
     ap.add_argument(
         "--confirm",
         default="",
@@ -313,6 +485,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("probe_losses_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.host:
+        return host_gaps(args)
     if args.confirm:
         return confirm([n for n in args.confirm.split(",") if n], args)
     t_end = time.monotonic() + args.budget_s

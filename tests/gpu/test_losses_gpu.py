@@ -174,6 +174,60 @@ def test_flce_tied_embedding(fl, ce, launches):
     assert rel_err(loss, ref) < 1e-3 and rel_err(dw, ref_dw) < 1e-2
 
 
+@pytest.mark.parametrize("num_items", [None, 3000, "host-tensor", "device-tensor"])
+def test_default_paths_never_wait_for_the_gpu(kt, ce, fl, num_items):
+    """The default CE, fused linear CE and ForCausalLMLoss, forward and backward, under
+    torch.cuda.set_sync_debug_mode("error"): any device-to-host sync (an .item(), a bool of a
+    device tensor, a nonzero, a copy from pageable host memory such as a host-held num_items
+    moved to the device) raises. A sync would expose the host's work after it as GPU idle time
+    on every call; then the results against fp32 torch. ForCausalLMLoss gets its labels on the
+    host, as a caller that never moved them would pass them."""
+    layers = importlib.import_module(f"{kt.__name__}.loss_layers")
+    if num_items == "host-tensor":
+        num_items = torch.tensor(3000)
+    elif num_items == "device-tensor":
+        num_items = torch.tensor(3000, device="cuda")
+    n, hdim, vocab = 4096, 256, 50257  # rows not 16-byte aligned; 4 chunks of tokens below
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hdim, device="cuda") * hdim**-0.5 * 2).bfloat16().requires_grad_()
+    t = targets(n, vocab)
+    t_host = t.cpu()
+
+    def calls():
+        x = logits.clone().requires_grad_(True)
+        (dx,) = torch.autograd.grad(ce.cross_entropy(x, t, num_items=num_items), x)
+        y = logits.clone().requires_grad_(True)
+        loss = layers.ForCausalLMLoss(y[None], t_host[None], vocab, num_items_in_batch=num_items)
+        (dy,) = torch.autograd.grad(loss, y)
+        flce = fl.fused_linear_cross_entropy(h, w, t, num_items=num_items, chunk_rows=1024)
+        return dx, dy, flce, torch.autograd.grad(flce, [h, w])
+
+    calls()  # compile every kernel first (outside the checked region)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dx, dy, flce, (dh, dw) = calls()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    denom = 3000 if num_items is not None else None
+    x32 = logits.float().requires_grad_(True)
+    ref = F.cross_entropy(x32, t, reduction="sum" if denom else "mean") / (denom or 1)
+    (ref_dx,) = torch.autograd.grad(ref, x32)
+    assert rel_err(dx, ref_dx) < 1e-2
+    shifted = torch.cat([t[1:], t.new_full((1,), -100)])  # ForCausalLMLoss shifts the labels
+    y32 = logits.float().requires_grad_(True)
+    ref_y = F.cross_entropy(y32, shifted, reduction="sum" if denom else "mean") / (denom or 1)
+    (ref_dy,) = torch.autograd.grad(ref_y, y32)
+    assert rel_err(dy, ref_dy) < 1e-2
+    ref_fl, (ref_dh, ref_dw) = _flce_reference(h, w, None, t, reduction="sum" if denom else "mean")
+    ref_fl = ref_fl / (denom or 1)
+    assert rel_err(flce, ref_fl) < 1e-3
+    assert rel_err(dh, ref_dh / (denom or 1)) < 1e-2
+    assert rel_err(dw, ref_dw / (denom or 1)) < 1e-2
+
+
 # Last: a spinning variant that hung would stop only this test (run it under a timeout).
 @pytest.mark.parametrize(
     "config",
@@ -227,13 +281,18 @@ def test_ce_options_every_launch_shape(ce, config, inplace, launches):
 # The lean kernel's variants (CEConfig(lean=True, ...)); the pid ones wait on siblings that only
 # the GPU's in-order dispatch guarantees to run, so they come last.
 LEAN = {
+    "default-spin-r40": dict(chunk=8192, block=2048, num_warps=4, spin=True, lean=True, maxnreg=40),
     "spin": dict(chunk=8192, block=2048, num_warps=4, spin=True, lean=True),
+    "spin-r40-persist8": dict(chunk=8192, block=2048, num_warps=4, spin=True, lean=True, maxnreg=40, persist=8),
+    "queue-r32-persist12": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, maxnreg=32, persist=12),
     "spin-16384-w8-evict": dict(chunk=16384, block=4096, num_warps=8, spin=True, lean=True, evict=True),
     "queue": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True),
     "queue-4096-lag1-reverse": dict(chunk=4096, block=1024, num_warps=4, lean=True, queue=True, lag=1, reverse=True),
     "queue-r32": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, maxnreg=32),
     "pair": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, pair=True),
     "queue-pid": dict(chunk=8192, block=2048, num_warps=4, lean=True, queue=True, ticket=False),
+    # a fixed grid of 8 programs per SM, tiles by program id: every program must be resident
+    "spin-r40-persist8-pid": dict(chunk=8192, block=2048, num_warps=4, spin=True, lean=True, maxnreg=40, persist=8, ticket=False),
 }  # fmt: skip
 
 
@@ -268,7 +327,7 @@ def test_ce_lean_variants(ce, config, vocab, options, inplace, launches):
     launches.assert_launched(
         "_ce_lean_kernel", CHUNK=cfg.chunk, num_warps=cfg.num_warps, QUEUE=cfg.queue,
         TICKET=cfg.ticket, ALIGN=vocab % 16 != 0, REVERSE=cfg.reverse,
-        LOAD_POLICY="evict_last" if cfg.evict else "",
+        LOAD_POLICY="evict_last" if cfg.evict else "", PERSIST=cfg.persist > 0,
     )  # fmt: skip
     launches.assert_device_matches()
     assert rel_err(loss, per_row) < 1e-5

@@ -237,7 +237,7 @@ def test_trainer_keeps_the_training_kernels_through_train(mirror, saved, tmp_pat
         if name == "kernels":  # every layer's Triton kernels ran on the GPU, forward and backward
             for triton_kernel in (
                 "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_rope_kernel", "_glu_fwd_kernel",
-                "_glu_bwd_kernel", "_ce_fwd_kernel",
+                "_glu_bwd_kernel", "_ce_lean_kernel",
             ):  # fmt: skip
                 launches.assert_launched(triton_kernel)
             launches.assert_device_matches()

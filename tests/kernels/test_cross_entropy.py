@@ -306,3 +306,159 @@ def test_config_from_environment_rejects_bad_specs(ce, monkeypatch, spec, match)
     with pytest.raises(ValueError, match=match) as info:
         ce.cross_entropy(logits, target)
     assert str(info.value).startswith("KERNELS_CE_CONFIG=") and "\n" not in str(info.value)
+
+
+# The GPU's shipped default, run by the interpreter: the same kernel, chunk, block and warps (the
+# interpreter runs its programs one after another, so the lean kernel takes its queue schedule
+# where a GPU spins, and maxnreg does not apply). 50257: rows not 16-byte aligned in fp32 or bf16,
+# split over seven chunks, whose edges move with each row's alignment shift.
+GPU_DEFAULT_CASES = [
+    (torch.bfloat16, 50257, {}, "mean"),
+    (torch.float32, 50257, {"smoothing": 0.1, "zloss": 1e-3, "softcap": 20.0}, "none"),
+    (torch.bfloat16, 32000, {"smoothing": 0.1}, "sum"),
+    (torch.float32, 1000, {}, "mean"),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,vocab,opts,reduction",
+    GPU_DEFAULT_CASES,
+    ids=[f"{str(d)[6:]}-{v}-{'-'.join(o) or 'plain'}-{r}" for d, v, o, r in GPU_DEFAULT_CASES],
+)
+def test_gpu_default_config_on_the_interpreter(ce, monkeypatch, dtype, vocab, opts, reduction):
+    """cross_entropy with the config a CUDA device gets, forward and backward (the gradient in
+    place, over the logits), against float64: the loss of every row and every element of the
+    gradient (ignored rows exactly zero), targets on the columns around the chunk edges and on
+    the last column."""
+    monkeypatch.delenv("KERNELS_CE_CONFIG", raising=False)
+    cfg = ce.default_config(vocab, torch.device("cuda"))
+    assert (cfg.lean, cfg.spin, cfg.queue, cfg.maxnreg) == (True, True, False, 40)
+    monkeypatch.setattr(ce, "default_config", lambda v, device: cfg)
+    n = 12
+    logits, target = make_inputs(n, vocab, dtype, ignore_frac=0.2)
+    edges = [c + d for c in range(cfg.chunk, vocab, cfg.chunk) for d in (-1, 0)] + [vocab - 1]
+    kept = (target != -100).nonzero()[:, 0]
+    for row, col in zip(kept, edges, strict=False):
+        target[row] = col
+    grad_out = torch.rand(n) + 0.5 if reduction == "none" else torch.tensor(1.3)
+    ref_loss, ref_dx = reference(logits, target, reduction=reduction, grad_out=grad_out, **opts)
+    x = logits.clone().requires_grad_(True)
+    with TritonLaunches(ce) as launches:
+        loss = ce.cross_entropy(
+            x,
+            target,
+            label_smoothing=opts.get("smoothing", 0.0),
+            lse_square_scale=opts.get("zloss", 0.0),
+            softcap=opts.get("softcap"),
+            reduction=reduction,
+        )
+    launches.assert_launched("_ce_lean_kernel", CHUNK=cfg.chunk, num_warps=cfg.num_warps)
+    loss.backward(grad_out)
+    assert rel_err(loss.detach(), ref_loss) < (1e-6 if dtype == torch.float32 else 1e-5)
+    assert rel_err(x.grad, ref_dx) < TOL[dtype]
+    # every element, not only the norm: a column written by the wrong program or left unwritten
+    # stands out against the largest gradient of its row
+    err = (x.grad.double() - ref_dx).abs().amax(1)
+    assert (err <= TOL[dtype] * ref_dx.abs().amax(1) + 1e-7).all()
+    assert (x.grad[target == -100] == 0).all()
+
+
+def test_scratch_gives_each_launch_fresh_counters(ce):
+    """The fused linear CE's per-call `Scratch`: the slots are shared by its launches, but the
+    counters never are, and all are zero when taken (a launch whose counters carry a previous
+    launch's counts would read stale partials, or wait forever on the interpreter's queue)."""
+    scratch = ce.Scratch(launches=3)
+    taken = []
+    for n in (10, 10, 4):  # the last chunk of tokens is shorter
+        stats, counts = scratch.take(n * 4, n + 1, torch.device("cpu"))
+        assert stats.numel() == n * 4 and counts.numel() == n + 1 and (counts == 0).all()
+        counts += 7  # what a launch leaves behind
+        taken.append((stats, counts))
+    assert len({s.data_ptr() for s, _ in taken}) == 1
+    ends = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for _, c in taken)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:], strict=False))
+    # more launches than planned: new zeros, never a used counter
+    _, extra = scratch.take(40, 11, torch.device("cpu"))
+    assert (extra == 0).all()
+
+
+PERSISTENT = {
+    # the queue, programs taking tiles from the ticket counter until it runs past the last
+    "queue-ticket": dict(queue=True, ticket=True, persist=2),
+    # tiles pid, pid + grid, ...: one program on the interpreter (see _lean_rows)
+    "queue-static": dict(queue=True, ticket=False, persist=2),
+    "pair-ticket": dict(queue=True, pair=True, ticket=True, persist=3),
+    # a spin config: several chunks per row, so the interpreter takes the queue schedule
+    "spin-ticket": dict(spin=True, ticket=True, persist=2),
+}
+
+
+@pytest.mark.parametrize("fields", list(PERSISTENT.values()), ids=list(PERSISTENT))
+def test_lean_persistent_grid(ce, fields):
+    """CEConfig(persist=k): k programs per SM (the interpreter counts 4 SMs) loop over the
+    tiles instead of one program per tile. Every row's loss and every gradient element (the
+    gradient buffer poisoned with NaN) against float64, with ignored rows; launched with the
+    grid the config asks for."""
+    vocab, n = 1531, 24
+    cfg = ce.CEConfig(chunk=512, block=256, num_warps=4, lean=True, **fields)
+    logits, target = make_inputs(n, vocab, torch.float32)
+    ref_loss, ref_dx = reference(logits, target, smoothing=0.1, reduction="none")
+    grad = torch.full_like(logits, float("nan"))
+    with TritonLaunches(ce) as launches:
+        loss, _ = ce.ce_rows(logits, target, grad, torch.ones(1), label_smoothing=0.1, config=cfg)
+    (launch,) = launches.of("_ce_lean_kernel")
+    assert launch.options["PERSIST"] and launch.options["QUEUE"]
+    chunks = 3  # ceil((1531 + 3) / 512): unaligned fp32 rows read from 3 columns earlier
+    tiles = (n + cfg.lag) * chunks * (1 if cfg.pair else 2)
+    assert launch.grid == ((min(tiles, cfg.persist * 4) if cfg.ticket else 1),)
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert rel_err(grad, ref_dx) < 2e-5
+    assert (grad[target == -100] == 0).all()
+
+
+@pytest.mark.parametrize("device_kind", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vocab", [2, 3, 5])
+def test_default_config_tiny_vocab(ce, monkeypatch, device_kind, dtype, vocab):
+    """A binary or 3-class head (nn.CrossEntropyLoss over 2 classes): the default config, the
+    interpreter's and a GPU's, still gives the lean kernel whole 16-byte vectors to read (a
+    block of 2 or 4 bf16 columns held none: the kernel could not be built)."""
+    monkeypatch.delenv("KERNELS_CE_CONFIG", raising=False)
+    cfg = ce.default_config(vocab, torch.device(device_kind))
+    monkeypatch.setattr(ce, "default_config", lambda v, device: cfg)
+    logits, target = make_inputs(10, vocab, dtype)
+    ref_loss, ref_dx = reference(logits, target)
+    x = logits.clone().requires_grad_(True)
+    with TritonLaunches(ce) as launches:
+        loss = ce.cross_entropy(x, target)
+    launches.assert_launched("_ce_lean_kernel")
+    loss.backward()
+    assert rel_err(loss.detach(), ref_loss) < (1e-6 if dtype == torch.float32 else 1e-5)
+    assert rel_err(x.grad, ref_dx) < TOL[dtype]
+
+
+def test_backward_fills_no_gradients_for_the_extras(ce, kt):
+    """The loss functions return three never-differentiable extras (empty unless asked for);
+    autograd would hand their backward zero-filled gradients on every call (three allocations
+    and dispatches of host time) unless told not to materialise them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    fl = importlib.import_module(f"{kt.__name__}.fused_linear_cross_entropy")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    logits, target = make_inputs(8, 1000, torch.float32)
+    x = logits.clone().requires_grad_(True)
+    w = torch.randn(1000, 16, requires_grad=True)
+    h = torch.randn(8, 16, requires_grad=True)
+    for loss in (ce.cross_entropy(x, target), fl.fused_linear_cross_entropy(h, w, target)):
+        with Ops() as ops:
+            loss.backward()
+        assert not [op for op in ops.seen if "zeros" in op], ops.seen

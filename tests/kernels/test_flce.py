@@ -267,3 +267,36 @@ def test_chunks_write_loss_in_place(fl, monkeypatch, want_lse):
     assert [s.storage_offset() for s in loss_slices] == [0, 10, 20, 30]
     # one log-sum-exp buffer too: per call (kept for the z-loss) or reused across chunks
     assert len({s.untyped_storage().data_ptr() for s in lse_slices}) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.timeout(300)  # a launch given used counters would wait forever
+def test_gpu_default_config_on_the_interpreter(fl, monkeypatch, dtype):
+    """The config a CUDA device gets (the lean kernel over 8192-column chunks), run by the
+    interpreter inside the chunk loop: rows of 50257 (not 16-byte aligned), three chunks of
+    tokens sharing one `Scratch` (each launch must get fresh counters), ignored rows; the loss
+    and every gradient (hidden, weight, bias) against float64."""
+    ce = importlib.import_module(fl.__name__.rsplit(".", 1)[0] + ".cross_entropy")
+    monkeypatch.delenv("KERNELS_CE_CONFIG", raising=False)
+    cfg = ce.default_config(50257, torch.device("cuda"))
+    assert cfg.lean and cfg.spin and cfg.chunk == 8192
+    monkeypatch.setattr(ce, "default_config", lambda v, device: cfg)
+    scratches = []
+    real = fl.ce_rows
+
+    def recording(*args, **kwargs):
+        scratches.append(kwargs["scratch"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fl, "ce_rows", recording)
+    hidden, weight, b, target = make_inputs(20, 16, 50257, dtype, bias=True)
+    ref_loss, ref_grads = reference(hidden, weight, b, target, smoothing=0.1)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, b)]
+    loss = fl.fused_linear_cross_entropy(*leaves[:2], target, leaves[2], label_smoothing=0.1,
+                                         chunk_rows=7)  # fmt: skip
+    (loss * 0.8).backward()
+    assert len(scratches) == 3 and len({id(s) for s in scratches}) == 1
+    assert rel_err(loss.detach(), ref_loss) < (1e-6 if dtype == torch.float32 else 1e-2)
+    for name, leaf, ref in zip(["hidden", "weight", "bias"], leaves, ref_grads, strict=True):
+        assert leaf.grad.dtype == dtype, name
+        assert rel_err(leaf.grad, 0.8 * ref) < TOL[dtype], name

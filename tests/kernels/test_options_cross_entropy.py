@@ -122,7 +122,10 @@ def test_extras_do_not_change_the_loss_or_gradient(kt):
     )  # fmt: skip
     plain.backward()
     out.loss.backward()
-    assert torch.equal(plain, out.loss) and torch.equal(a.grad, b.grad)
+    # Predicted tokens take the full kernel, the plain call the lean one (the default): the
+    # same loss, and the same gradient up to fp32 rounding (their exponentials differ).
+    assert torch.equal(plain, out.loss)
+    assert_close(b.grad, a.grad, torch.float32, "dlogits")
 
 
 def test_out_of_range_target_is_nan_or_a_typed_error(kt):

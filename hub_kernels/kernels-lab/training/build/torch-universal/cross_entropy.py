@@ -644,22 +644,18 @@ def _lean_task(
             )  # fmt: skip
 
 
-@fast_launch
 @triton.jit
-def _ce_lean_kernel(
-    logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
+def _lean_tile(
+    t, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
     gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing, lse_sq_scale, cap,
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr,
     R: tl.constexpr, KW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUEUE: tl.constexpr,
-    PAIR: tl.constexpr, TICKET: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr,
+    PAIR: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr,
     VEC: tl.constexpr, REVERSE: tl.constexpr, LOAD_POLICY: tl.constexpr,
     STORE_POLICY: tl.constexpr,
 ):  # fmt: skip
-    if TICKET:
-        t = tl.atomic_add(count_ptr + n_rows, 1)
-    else:
-        t = tl.program_id(0)
+    """Tile t of the schedule: the task(s) one program does when the grid has one per tile."""
     if QUEUE and PAIR:
         # One program, two tasks on the same chunk index: reduce row j, then write row j - LAG
         # (whose reduce tasks all belong to programs with smaller tickets, which did them first).
@@ -695,6 +691,57 @@ def _ce_lean_kernel(
             stats_ptr, count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
             lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP, HAS_SMOOTHING,
             WRITE_GRAD, HAS_ROW_SCALE, QUEUE, ALIGN, VEC, REVERSE, LOAD_POLICY, STORE_POLICY,
+        )  # fmt: skip
+
+
+@fast_launch
+@triton.jit
+def _ce_lean_kernel(
+    logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr, count_ptr,
+    gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing, lse_sq_scale, cap, n_tiles,
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_POW2: tl.constexpr,
+    R: tl.constexpr, KW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUEUE: tl.constexpr,
+    PAIR: tl.constexpr, TICKET: tl.constexpr, LAG: tl.constexpr, ALIGN: tl.constexpr,
+    VEC: tl.constexpr, REVERSE: tl.constexpr, LOAD_POLICY: tl.constexpr,
+    STORE_POLICY: tl.constexpr, PERSIST: tl.constexpr,
+):  # fmt: skip
+    # PERSIST: a grid smaller than the n_tiles tiles, each program looping over them (fewer CTA
+    # launches): with TICKET the next tile from the counter, so a program again only waits for
+    # tiles already taken or taken next; otherwise tiles pid, pid + grid, ... (safe for a spin
+    # only while the whole grid is resident and holds more programs than a row has chunks).
+    if PERSIST:
+        if TICKET:
+            t = tl.atomic_add(count_ptr + n_rows, 1)
+            while t < n_tiles:
+                _lean_tile(
+                    t, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr,
+                    count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+                    lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP,
+                    HAS_SMOOTHING, WRITE_GRAD, HAS_ROW_SCALE, QUEUE, PAIR, LAG, ALIGN, VEC,
+                    REVERSE, LOAD_POLICY, STORE_POLICY,
+                )  # fmt: skip
+                t = tl.atomic_add(count_ptr + n_rows, 1)
+        else:
+            for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+                _lean_tile(
+                    t, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr,
+                    count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+                    lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP,
+                    HAS_SMOOTHING, WRITE_GRAD, HAS_ROW_SCALE, QUEUE, PAIR, LAG, ALIGN, VEC,
+                    REVERSE, LOAD_POLICY, STORE_POLICY,
+                )  # fmt: skip
+    else:
+        if TICKET:
+            t = tl.atomic_add(count_ptr + n_rows, 1)
+        else:
+            t = tl.program_id(0)
+        _lean_tile(
+            t, logits_ptr, grad_ptr, stride, target_ptr, loss_ptr, lse_ptr, stats_ptr,
+            count_ptr, gscale_ptr, rscale_ptr, n_rows, V, ignore_index, smoothing,
+            lse_sq_scale, cap, CHUNK, NUM_CHUNKS, NC_POW2, R, KW, HAS_SOFTCAP, HAS_SMOOTHING,
+            WRITE_GRAD, HAS_ROW_SCALE, QUEUE, PAIR, LAG, ALIGN, VEC, REVERSE, LOAD_POLICY,
+            STORE_POLICY,
         )  # fmt: skip
 
 
@@ -754,6 +801,9 @@ class CEConfig:
     and then the write task of the same chunk ``lag`` rows back (half the programs and
     tickets). ``maxnreg``: cap the lean kernel's registers per
     thread (GPU), so more programs fit an SM (32 lets 16 programs of 4 warps share one).
+    ``persist``: launch that many lean programs per SM (0: one per tile), each looping over
+    tiles, the next one from the ticket counter (``ticket``) or pid, pid + grid, ... (a spin
+    then relies on the whole grid being resident at once: GPU only, opt-in).
     """
 
     chunk: int
@@ -769,6 +819,7 @@ class CEConfig:
     reverse: bool = False
     maxnreg: int | None = None
     pair: bool = False
+    persist: int = 0
 
     def __post_init__(self):
         if self.one_pass and self.chunk != self.block:
@@ -819,22 +870,77 @@ def parse_config(spec: str) -> CEConfig:
 
 
 def default_config(vocab: int, device: torch.device) -> CEConfig:
-    """Launch shape for a vocabulary size (the fastest of a sweep on an H200, bf16 151936-wide
-    rows: 1.66 ms for 8192 rows; docs/losses.md), or the one the environment variable
-    KERNELS_CE_CONFIG spells (see `parse_config`: how the variants are tried without code)."""
+    """Launch shape for a vocabulary size, or the one the environment variable KERNELS_CE_CONFIG
+    spells (see `parse_config`: how the variants are tried without code).
+
+    The lean kernel, its programs spinning, at most 40 registers per thread: the fastest of the
+    probe's variants at every CE shape it swept on an H200 (docs/losses.md: 1.629 ms at
+    8192 x 151936 bf16 against 1.678 for the previous default; 0.683 against 1.289 ms at the
+    unaligned 8192 x 50257). Calls with class weights or predicted tokens run `_ce_fwd_kernel`
+    with the same chunk and block. The CPU interpreter gets the same kernel on rows its small
+    tests can split: chunks of 1024 columns (the lean kernel then takes its queue schedule, as
+    programs there run one after another), and one chunk when the row fits 1024.
+    """
     spec = os.environ.get(CONFIG_ENV)
     if spec:
         return parse_config(spec)
-    if device.type != "cuda":
-        # The interpreter: a row that fits one block takes the one-pass path; a wider row is
-        # split over programs of two blocks each, and the last one to finish writes the row.
+    return _default_config(vocab, device.type == "cuda")
+
+
+# The lean kernel reads a block as 16-byte vectors (up to 16 elements): no block may be smaller.
+MIN_BLOCK = 16
+
+
+@functools.lru_cache(maxsize=64)
+def _default_config(vocab: int, cuda: bool) -> CEConfig:
+    # Cached: this runs on every call (per chunk in the fused linear CE).
+    if not cuda:
         if vocab <= 1024:
-            block = next_pow2(vocab)
-            return CEConfig(chunk=block, block=block, num_warps=4, one_pass=True)
-        return CEConfig(chunk=1024, block=512, num_warps=4)
-    block = min(next_pow2(vocab), 2048)
+            block = max(MIN_BLOCK, next_pow2(vocab))
+            return CEConfig(
+                chunk=block, block=block, num_warps=4, one_pass=True, lean=True, spin=True
+            )
+        return CEConfig(chunk=1024, block=512, num_warps=4, lean=True, spin=True)
+    block = max(MIN_BLOCK, min(next_pow2(vocab), 2048))
     chunk = min(cdiv(vocab, block) * block, 8192)
-    return CEConfig(chunk=chunk, block=block, num_warps=4, spin=True)
+    return CEConfig(chunk=chunk, block=block, num_warps=4, spin=True, lean=True, maxnreg=40)
+
+
+class Scratch:
+    """Partial-result slots and zeroed row counters for a series of `ce_rows` launches on one
+    stream (the fused linear CE's chunks): one allocation and one fill for the whole series
+    instead of one of each per launch, so the host issues less per chunk.
+
+    The slots are shared: a launch writes every slot it reads, and launches on one stream do
+    not overlap. Counters are not: each launch takes `n + 1` fresh zeros.
+    """
+
+    def __init__(self, launches: int) -> None:
+        self.launches = max(1, launches)
+        self._stats: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, n_stats: int, n_counts: int, device: torch.device):
+        """(fp32 slots, zeroed int32 counters) of at least the given sizes."""
+        if self._stats is None or self._stats.numel() < n_stats:
+            self._stats = torch.empty(n_stats, dtype=torch.float32, device=device)
+        if self._counts is None or self._used + n_counts > self._counts.numel():
+            # Sized by the first (largest) launch: later ones of the series fit in it.
+            self._counts = torch.zeros(n_counts * self.launches, dtype=torch.int32, device=device)
+            self._used = 0
+        counts = self._counts[self._used : self._used + n_counts]
+        self._used += n_counts
+        return self._stats[:n_stats], counts
+
+
+def _scratch(scratch: Scratch | None, n_stats: int, n_counts: int, device: torch.device):
+    """(slots or None when n_stats is 0, zeroed counters): from `scratch`, else new tensors."""
+    if scratch is not None:
+        stats, counts = scratch.take(n_stats, n_counts, device)
+        return (stats if n_stats else None), counts
+    stats = torch.empty(n_stats, dtype=torch.float32, device=device) if n_stats else None
+    return stats, torch.zeros(n_counts, dtype=torch.int32, device=device)
 
 
 def ce_rows(
@@ -853,11 +959,13 @@ def ce_rows(
     z_scale: torch.Tensor | None = None,
     pred: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scratch: Scratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and log-sum-exp (fp32) of [N, V] logits; when `grad` is given, write
     ``grad_scale * row_scale[row] * dloss/dlogits`` into it (``grad`` may be ``logits`` itself).
     With `out` (two contiguous fp32 [N] tensors, e.g. slices of a caller's buffers) the loss and
-    log-sum-exp are written there and returned, instead of into new tensors.
+    log-sum-exp are written there and returned, instead of into new tensors. With `scratch`
+    the kernel's slots and counters come from it (see `Scratch`) instead of new tensors.
 
     `grad_scale` is a one-element fp32 device tensor, so a mean's 1/count needs no host sync.
     With class weights `weight` ([V] fp32, contiguous) the loss is torch's weighted one plus the
@@ -900,16 +1008,15 @@ def ce_rows(
     same_rows = grad is None or grad.stride(0) == logits.stride(0)
     if cfg.lean and weight is None and pred is None and same_rows:
         _lean_rows(logits, target, grad, grad_scale, row_scale, loss, lse, cfg,
-                   ignore_index, label_smoothing, lse_square_scale, softcap)  # fmt: skip
+                   ignore_index, label_smoothing, lse_square_scale, softcap, scratch)  # fmt: skip
         return loss, lse
     num_chunks = cdiv(vocab, cfg.chunk)
     # Spin only to write a gradient, and never on the interpreter (programs run one by one).
     spin = cfg.spin and num_chunks > 1 and logits.is_cuda and grad is not None
     stats = counts = logits  # placeholders, never read when there is one chunk
     if num_chunks > 1:
-        stats = torch.empty(n * num_chunks * 4, dtype=torch.float32, device=logits.device)
-        # One arrival counter per row, and the tile ticket after them.
-        counts = torch.zeros(n + 1, dtype=torch.int32, device=logits.device)
+        # Four slots per chunk; one arrival counter per row, and the tile ticket after them.
+        stats, counts = _scratch(scratch, n * num_chunks * 4, n + 1, logits.device)
     out = logits if grad is None else grad
     _ce_fwd_kernel[(n * num_chunks,)](
         logits,
@@ -955,7 +1062,7 @@ def ce_rows(
 
 def _lean_rows(
     logits, target, grad, grad_scale, row_scale, loss, lse, cfg: CEConfig, ignore_index,
-    smoothing, lse_sq, softcap,
+    smoothing, lse_sq, softcap, scratch,
 ):  # fmt: skip
     """`ce_rows` through `_ce_lean_kernel` (see the comment above it)."""
     n, vocab = logits.shape
@@ -968,14 +1075,23 @@ def _lean_rows(
     kw = min(32 * vec, cfg.block)  # one warp's 16-byte accesses per tile row
     queue = cfg.queue or (num_chunks > 1 and not logits.is_cuda)
     stats = counts = loss  # placeholders, never read with one chunk and no queue
-    if num_chunks > 1 or queue:
-        stats = torch.empty(n * num_chunks * 4, dtype=torch.float32, device=logits.device)
     if num_chunks > 1 or queue or cfg.ticket:
-        counts = torch.zeros(n + 1, dtype=torch.int32, device=logits.device)
+        n_stats = n * num_chunks * 4 if num_chunks > 1 or queue else 0
+        slots, counts = _scratch(scratch, n_stats, n + 1, logits.device)
+        stats = loss if slots is None else slots
     tasks = n * num_chunks
     if queue:
         tasks = (n + cfg.lag) * num_chunks * (1 if cfg.pair else 2)
-    _ce_lean_kernel[(tasks,)](
+    grid = tasks
+    if cfg.persist:
+        if logits.is_cuda or cfg.ticket:
+            # Never fewer programs than a row has chunks: spinning, they wait for each other.
+            grid = min(tasks, max(cfg.persist * sm_count(logits.device), num_chunks))
+        else:
+            # The interpreter runs programs one after another: the tiles pid, pid + grid, ...
+            # of program 0 would include write tasks that wait for later programs' reduces.
+            grid = 1
+    _ce_lean_kernel[(grid,)](
         logits,
         out,
         stride,
@@ -992,6 +1108,7 @@ def _lean_rows(
         float(smoothing),
         float(lse_sq),
         float(softcap) if softcap else 1.0,
+        tasks,
         CHUNK=cfg.chunk,
         NUM_CHUNKS=num_chunks,
         NC_POW2=max(2, next_pow2(num_chunks)),
@@ -1010,6 +1127,7 @@ def _lean_rows(
         REVERSE=cfg.reverse,
         LOAD_POLICY="evict_last" if cfg.evict else "",
         STORE_POLICY="evict_first" if cfg.evict else "",
+        PERSIST=cfg.persist > 0,
         num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and logits.is_cuda else {}),
     )
@@ -1108,7 +1226,9 @@ def grad_scale_tensor(
     """The factor a row's gradient carries for `reduction`, as a one-element fp32 device tensor.
 
     A weighted mean divides by the kept rows' summed target weights (torch's weighted mean);
-    `num_items`, when given, replaces either count.
+    `num_items`, when given, replaces either count. Nothing here waits for the device: the
+    count stays on it, and a `num_items` held on the host is read there, not copied over
+    (a copy from pageable host memory waits for the device's queue to drain).
     """
     dev = target.device
     if reduction != "mean":
@@ -1120,9 +1240,9 @@ def grad_scale_tensor(
         else:
             rows = torch.where(keep, target, 0).clamp(0, weight.numel() - 1)
             count = (weight.float()[rows] * keep).sum()
-    elif isinstance(num_items, torch.Tensor):
+    elif isinstance(num_items, torch.Tensor) and num_items.device.type != "cpu":
         count = num_items.detach().to(device=dev, dtype=torch.float32)
-    else:
+    else:  # a number, or a tensor on the host: read there, filled in on the device
         count = torch.full((), float(num_items), dtype=torch.float32, device=dev)
     return torch.reciprocal(count).reshape(1)
 
@@ -1283,12 +1403,14 @@ class CrossEntropyFunction(torch.autograd.Function):
         empty = loss.new_empty(0)
         outs = [t if t is not None else empty for t in extras]
         ctx.mark_non_differentiable(*outs)
+        # No zero-filled gradients for the extras (never differentiable) on every backward.
+        ctx.set_materialize_grads(False)
         return (total, *outs)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *_extras):
         grad, ctx.grad = ctx.grad, None
-        if grad is None:
+        if grad is None or grad_out is None:  # None: no gradient reached the loss
             return (None,) * 12
         scale_rows_(grad, grad_out)
         return (grad,) + (None,) * 11

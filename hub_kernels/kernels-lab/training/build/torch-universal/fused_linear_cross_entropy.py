@@ -29,6 +29,7 @@ import torch
 
 from .cross_entropy import (
     CrossEntropyOutput,
+    Scratch,
     ce_rows,
     check_options,
     check_target_range,
@@ -136,6 +137,9 @@ def _chunked(
         torch.empty(n, dtype=torch.float32, device=hidden.device) if opts.token_scaling else None
     )
     wt = weight.t()
+    # The CE kernel's slots and counters for every chunk at once: no allocation or fill per
+    # chunk, so the host stays further ahead of the GPU.
+    scratch = Scratch(-(-n // rows))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         x = hidden[r0:r1]
@@ -165,6 +169,7 @@ def _chunked(
             z_scale=zscale,
             pred=None if pred is None else pred[r0:r1],
             out=(loss[r0:r1], lse),
+            scratch=scratch,
         )
         if opts.token_scaling:
             # Liger's token scaling: each row's loss and gradient times its target's softmax
@@ -235,10 +240,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         empty = loss.new_empty(0)
         outs = [t if t is not None else empty for t in out]
         ctx.mark_non_differentiable(*outs)
+        # No zero-filled gradients for the extras (never differentiable) on every backward.
+        ctx.set_materialize_grads(False)
         return (total, *outs)
 
     @staticmethod
     def backward(ctx, grad_out, *_extras):
+        if grad_out is None:  # no gradient reached the loss
+            ctx.grads = None
+            return (None,) * 7
         if ctx.deferred:
             hidden, weight, bias, target = ctx.saved_tensors
             ones = torch.ones(1, dtype=torch.float32, device=hidden.device)

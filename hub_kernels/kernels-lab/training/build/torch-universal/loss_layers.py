@@ -184,10 +184,10 @@ def ForCausalLMLoss(  # noqa: N802 - the name transformers gives this loss
 ) -> torch.Tensor:
     """transformers' causal-LM loss (labels shifted left, mean over non-ignored tokens or
     ``/ num_items_in_batch``) on the CE kernel; an fp32 loss, and ``logits`` are left intact."""
-    target = shift_left(labels, ignore_index) if shift_labels is None else shift_labels
+    target = _labels_on(logits.device, labels, shift_labels, ignore_index)
     return cross_entropy(
         logits.reshape(-1, vocab_size),
-        target.reshape(-1).to(logits.device),
+        target,
         ignore_index=ignore_index,
         num_items=num_items_in_batch,
         inplace=False,  # the model also returns these logits to its caller
@@ -197,6 +197,24 @@ def ForCausalLMLoss(  # noqa: N802 - the name transformers gives this loss
 def shift_left(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Token t predicts label t + 1; the last position gets ignore_index (as transformers does)."""
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _labels_on(
+    device: torch.device,
+    labels: torch.Tensor,
+    shift_labels: torch.Tensor | None,
+    ignore_index: int,
+) -> torch.Tensor:
+    """The flat targets on `device`: `labels` shifted left, or the caller's `shift_labels`.
+
+    Labels held on the host are shifted there and copied without blocking: a blocking copy from
+    pageable host memory waits for the device's whole queue (a sync per step). The shifted
+    tensor is this function's own, so nobody can change it while the copy is in flight; the
+    caller's `shift_labels` are copied the ordinary way.
+    """
+    if shift_labels is not None:
+        return shift_labels.reshape(-1).to(device)
+    return shift_left(labels, ignore_index).reshape(-1).to(device, non_blocking=True)
 
 
 def cross_entropy_module_forward(module: nn.Module, input: torch.Tensor, target: torch.Tensor):
@@ -325,9 +343,7 @@ def fused_causal_lm_loss(
     logits. The scale multiplies the hidden states (one [tokens, hidden] product, not a
     [tokens, vocab] one), or the weight and bias when the head has a bias."""
     ignore_index = kwargs.get("ignore_index", -100)
-    shift_labels = kwargs.get("shift_labels")
-    target = shift_left(labels, ignore_index) if shift_labels is None else shift_labels
-    target = target.reshape(-1).to(hidden.device)
+    target = _labels_on(hidden.device, labels, kwargs.get("shift_labels"), ignore_index)
     rows = hidden.reshape(-1, hidden.shape[-1])
     if rows.shape[0] != target.shape[0]:
         raise ValueError(
