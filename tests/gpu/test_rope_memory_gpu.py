@@ -1,7 +1,7 @@
 """RoPE in place on the GPU at the benchmark's anchor shape (q 8x32x2048x128, k 8x8x2048x128,
-bf16): a fwd+bwd through the rotation peaks no higher than the same fwd+bwd without it (out of
-place it allocates new q, k in the forward and new dq, dk in the backward: 160 MiB), and the
-gradients still match float64. Run in its own pytest process: python -m pytest tests/gpu."""
+bf16): a fwd+bwd through the rotation peaks at most dk above the same fwd+bwd without it and no
+higher than Liger's (when installed), and the gradients still match float64. Run in its own
+pytest process: python -m pytest tests/gpu."""
 
 from __future__ import annotations
 
@@ -53,13 +53,21 @@ def _inputs(seed: int = 0):
     return (xq, xk), (emb.cos().to(DT), emb.sin().to(DT)), grads
 
 
-def _fwd_bwd(kt, leaves, cos_sin, grads, rope: bool):
+def _liger():
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except ImportError:
+        return None
+    return liger_rotary_pos_emb
+
+
+def _fwd_bwd(kt, leaves, cos_sin, grads, rope):
     xq, xk = leaves
     # The projections' outputs (their own allocation, before the rotation as in a model).
     q = (xq * 1.0).view(B, T, HQ, D).transpose(1, 2)
     k = (xk * 1.0).view(B, T, HK, D).transpose(1, 2)
     if rope:
-        q, k = kt.apply_rotary_pos_emb(q, k, *cos_sin)
+        q, k = (kt.apply_rotary_pos_emb if rope is True else rope)(q, k, *cos_sin)
     # Upstream gradients made by an op's backward, as attention's are (not passed as roots).
     ((q * grads[0]).sum() + (k * grads[1]).sum()).backward()
 
@@ -74,7 +82,7 @@ def _peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / MIB
 
 
-def test_rope_fwd_bwd_allocates_nothing_at_the_anchor_shape(kt):
+def test_rope_fwd_bwd_peaks_no_higher_than_liger_at_the_anchor_shape(kt):
     leaves, cos_sin, grads = _inputs()
     peaks = {}
     for rope in (False, True):
@@ -84,8 +92,20 @@ def test_rope_fwd_bwd_allocates_nothing_at_the_anchor_shape(kt):
         peaks[rope] = _peak_mib(lambda r=rope: _fwd_bwd(kt, leaves, cos_sin, grads, r))
         for x in leaves:
             x.grad = None
-    # The halves check's one-int flag may take an allocator block; q and k alone are 80 MiB.
-    assert peaks[True] - peaks[False] <= 1.0, peaks
+    # The rotation is one autograd node with two outputs, so its backward holds dq and dk at
+    # once where the flow without it frees dq's branch first: dk's 32 MiB, which Liger's RoPE
+    # pays too (scripts/probes/probe_rope_inplace_memory_gpu.py, 2026-12-01). In this flow the
+    # caller drops the un-rotated q and k, so out of place peaks the same: the in-place write
+    # saves memory where something else keeps q alive.
+    dk_mib = B * HK * T * D * 2 / MIB
+    assert peaks[True] - peaks[False] <= dk_mib + 1.0, peaks
+    liger = _liger()
+    if liger is not None:
+        _fwd_bwd(kt, leaves, cos_sin, grads, liger)  # warm: its compile
+        for x in leaves:
+            x.grad = None
+        peaks["liger"] = _peak_mib(lambda: _fwd_bwd(kt, leaves, cos_sin, grads, liger))
+        assert peaks[True] <= peaks["liger"] + 1.0, peaks
 
 
 def test_rope_in_place_gradients_match_float64(kt):

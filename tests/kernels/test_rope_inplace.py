@@ -3,6 +3,8 @@ gradient, where nothing else reads them; elsewhere new buffers. Triton interpret
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from _live_bytes import extra_peak
@@ -235,3 +237,27 @@ def test_in_place_allocates_nothing(kt, norm):
     in the forward and no gradient buffer in the backward (out of place: four of them)."""
     without, with_rope = _fwd_bwd_peak(kt, norm, False), _fwd_bwd_peak(kt, norm, True)
     assert with_rope == without, (with_rope, without)
+
+
+def test_the_tuner_may_launch_any_number_of_times(kt, monkeypatch):
+    """On a GPU the first call of a shape times every candidate by launching it, several times
+    each; in place, those launches must not rotate q, k or their gradients again. The
+    interpreter skips timing, so a tuner that launches each candidate three times stands in."""
+    rope = sys.modules[f"{kt.__name__}.rope"]
+
+    def tuner(key, candidates, launch, cold=None):
+        for cfg in candidates * 3:
+            launch(cfg)
+        return candidates[0]
+
+    monkeypatch.setattr(rope, "pick_config", tuner)
+    att = Attention(torch.float32)
+    cos, sin = cos_sin(torch.float32)
+    gq, gk = torch.randn(B, HQ, T, D), torch.randn(B, HK, T, D)
+    q, k, qo, ko, grads = run(kt, att, cos, sin, gq, gk)
+    assert qo.data_ptr() == q.data_ptr()  # the in-place path ran
+    qr, kr, refs = att.reference_grads(cos, sin, gq, gk)
+    assert_close(qo, qr, torch.float32, "q_embed")
+    assert_close(ko, kr, torch.float32, "k_embed")
+    for name, got, ref in zip(("dx", "dWq", "dWk"), grads, refs, strict=True):
+        assert_close(got, ref, torch.float32, name)

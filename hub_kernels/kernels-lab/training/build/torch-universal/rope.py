@@ -305,9 +305,9 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=
     # On the CPU the Triton path runs only in the interpreter, which keeps bfloat16 as integers.
     upcast = not q.is_cuda and torch.bfloat16 in (q.dtype, k.dtype, cos.dtype, sin.dtype)
 
-    def launch(c):
+    def launch(c, qd=qov, kd=kov, sqo=sqo, sko=sko):
         _rope_kernel[(cdiv(n_tokens, c["BLOCK_T"]),)](
-            qv, kv, qov, kov, cos, sin, repeats if flagged else cos, n_tokens, t,
+            qv, kv, qd, kd, cos, sin, repeats if flagged else cos, n_tokens, t,
             sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
             sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
             sc_b, sc[1], ss_b, ss[1],
@@ -321,7 +321,17 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=
         # Each kernel variant gets its own timing; None and False launch the same one.
         answer = "flag" if flagged else repeats is True
         key = ("rope", n_tokens.bit_length(), hq, hk, d, q.dtype, cos.dtype, q.device, answer)
-        cfg = pick_config(key, rope_candidates(hq, hk, d), launch, cold=q.device)
+        tune = launch
+        if qo is q or ko is k:
+            # In place: every timing launch would rotate q and k once more. The tuner times
+            # launches into scratch outputs instead (once per key), and the winner runs here.
+            qs, ks = (_to_bhtd(_out_like(x), unsqueeze_dim) for x in (q, k))
+            sqs, sks = qs.stride(), ks.stride()
+
+            def tune(c):
+                launch(c, qs, ks, sqs, sks)
+
+        cfg = pick_config(key, rope_candidates(hq, hk, d), tune, cold=q.device)
     launch(cfg)
     return qo, ko
 
