@@ -120,21 +120,22 @@ _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*
 
 
 def stack_from_dump(lines: list[str], frames: int = 3) -> str:
-    """The innermost frames of the thread faulthandler marks current (else the last thread it
-    dumped, which is the main one), as `where` formats them; empty if there is no dump."""
-    blocks: list[tuple[bool, list[str]]] = []
+    """The innermost frames of the main thread in a faulthandler dump, as `where` formats them:
+    the thread whose outermost frame is a module's top level (a signal may be handled on any
+    thread, so "Current thread" need not be the main one); empty if there is no dump."""
+    blocks: list[list[tuple[str, str]]] = []
     for line in lines:
-        head = _THREAD.match(line)
-        if head:
-            blocks.append((head.group(1) == "Current thread", []))
+        if _THREAD.match(line):
+            blocks.append([])
             continue
         m = _FRAME.match(line)
         if m and blocks:
-            blocks[-1][1].append(f"{_short(m['file'])}:{m['line']} {m['func']}")
+            blocks[-1].append((f"{_short(m['file'])}:{m['line']} {m['func']}", m["func"]))
+    blocks = [b for b in blocks if b]
     if not blocks:
         return ""
-    current = [b for current, b in blocks if current] or [blocks[-1][1]]
-    return " < ".join(current[0][:frames])
+    main = next((b for b in blocks if b[-1][1] == "<module>"), blocks[0])
+    return " < ".join(text for text, _ in main[:frames])
 
 
 class Child:

@@ -667,7 +667,11 @@ def run_setup(setup: str, cmd: list[str], env: dict, timeout_s: float | None) ->
             log(progress[-1])
 
     proc = Child(cmd, env, on_stdout, on_stderr)
-    code = proc.wait(timeout_s)
+    try:
+        code = proc.wait(timeout_s)
+    except BaseException:  # SIGTERM or Ctrl-C of the parent: the child must not outlive it
+        proc.kill(dump_wait_s=0)
+        raise
     if code is None:
         stack = proc.kill()
         last = progress[-1].split(": ", 1)[-1] if progress else "no progress line yet"

@@ -69,7 +69,8 @@ def _alarm(signum, frame):  # noqa: ARG001
 
 
 def run_type(model_type: str, device: str, dtype, limit_s: int):
-    """One type's outcome, stopped by SIGALRM after `limit_s` (while Python code runs)."""
+    """One type's outcome, stopped by SIGALRM after `limit_s` (while Python code runs; 0: no
+    alarm)."""
     from tests.models.registry import Outcome, run_one
 
     signal.signal(signal.SIGALRM, _alarm)
@@ -399,7 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
-    parser.add_argument("--limit-s", type=int, default=180, help="per model type")
+    parser.add_argument(
+        "--limit-s",
+        type=int,
+        default=180,
+        help="seconds per model type (0: no alarm in the worker, only the kill after --grace-s)",
+    )
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=30.0,
+        help="seconds past --limit-s before a worker that has not answered is killed",
+    )
     parser.add_argument(
         "--jobs", type=int, default=1, help="worker processes (they share one device)"
     )
@@ -435,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = [t for t in args.only.split(",") if t] or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    outcomes = sweep(types, args.device, args.dtype, args.limit_s, args.jobs, args.deadline)
+    outcomes = sweep(
+        types, args.device, args.dtype, args.limit_s, args.jobs, args.deadline, args.grace_s
+    )
     if args.liger:
         Path(args.liger_out).write_text(liger_table(outcomes))
         print(f"wrote {args.liger_out}")
