@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,7 @@ EXPECTED_LAYERS = {
 }
 
 
-def _run_bench(tmp_path: Path, family: str, setups: str, *extra: str) -> list[dict]:
+def _run_bench(tmp_path: Path, family: str, setups: str, *extra: str, stdout: list | None = None):
     out = tmp_path / "out"
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
@@ -78,6 +79,8 @@ def _run_bench(tmp_path: Path, family: str, setups: str, *extra: str) -> list[di
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if stdout is not None:
+        stdout.append(proc.stdout)
     json_name, md_name, _ = bench_train.output_names(family)
     rows = json.loads((out / json_name).read_text())
     assert [r["setup"] for r in rows] == setups.split(",")
@@ -98,10 +101,54 @@ def test_every_family_trains_and_ours_binds_norms_mlp_rope_and_the_loss_head(tmp
     assert "ours bound: " in md
 
 
-def test_whole_model_compile_traces_gemma2_with_its_softcapped_eager_attention(tmp_path):
-    (row,), md = _run_bench(tmp_path, "gemma2", "compile", "--compile-backend", "aot_eager")
-    assert row["training_after"] and len(row["losses"]) == 2 and row["compiled_graphs"] >= 1
-    assert "eager attention, batch 1x16" in md
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3"])
+def test_whole_model_compile_trains_each_new_family_with_its_own_step_count(tmp_path, family):
+    """torch.compile of the whole model (aot_eager here: inductor's C++ build takes minutes on
+    this CPU) next to eager, the compile setup with its own --setup-steps: the same batches,
+    so its first steps' losses are eager's; progress lines come with timestamps as they run."""
+    stdout: list[str] = []
+    rows, md = _run_bench(
+        tmp_path, family, "eager,compile", "--compile-backend", "aot_eager",
+        "--setup-steps", "compile=3", stdout=stdout,
+    )  # fmt: skip
+    eager, compiled = rows
+    assert (eager["steps"], eager["warmup"]) == (2, 1) and len(eager["losses"]) == 2
+    assert (compiled["steps"], compiled["warmup"]) == (3, 1) and len(compiled["losses"]) == 3
+    assert compiled["training_after"] and compiled["compiled_graphs"] >= 1
+    for a, b in zip(compiled["losses"][:2], eager["losses"], strict=True):
+        assert abs(a - b) <= 1e-2 * abs(b)
+    attention = "eager" if family == "gemma2" else "sdpa"
+    assert f"{attention} attention, batch 1x16" in md and ", commit " in md
+    assert "compile: 3 steps, median of steps 2-3." in md
+    log = stdout[0]
+    assert re.search(r"^\[\d\d:\d\d:\d\d \+ *\d+s\] compile: step 3/3 ", log, re.M), log
+    assert re.search(r"^\[\d\d:\d\d:\d\d \+ *\d+s\] eager: done in ", log, re.M), log
+
+
+def test_a_deadline_too_short_for_any_setup_still_writes_every_row(tmp_path):
+    """--deadline: a setup that no longer fits is a row saying so, and the table is written."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--family", "gemma2", "--tiny", "--device", "cpu",
+         "--setups", "eager,ours,liger", "--deadline", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "train-gemma2.json").read_text())
+    assert [r["setup"] for r in rows] == ["eager", "ours", "liger"]
+    assert all(r["error"].startswith("not run: --deadline 1 s left 0 s") for r in rows), rows
+    md = (out / "train-gemma2.md").read_text()
+    assert md.count("| error: not run: --deadline 1 s") == 3
+
+
+def test_setup_steps_are_checked():
+    assert bench_train.parse_setup_steps("compile=6, liger=3", ["eager", "liger", "compile"]) == {
+        "compile": 6,
+        "liger": 3,
+    }
+    for bad in ("compile", "compile=1", "ours=4", "compile=x"):
+        with pytest.raises(SystemExit, match="--setup-steps"):
+            bench_train.parse_setup_steps(bad, ["eager", "compile"])
 
 
 def test_the_table_relates_every_setup_to_liger():
