@@ -147,6 +147,9 @@ def sweep(
     lock = threading.Lock()
     stop = threading.Event()
     active: set = set()  # the live workers, killed on SIGTERM
+    # the workers share the host's cores: each gets its part for torch's intra-op threads
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     cmd = [sys.executable, __file__, "--worker", "--device", device, "--dtype", dtype_name,
            "--limit-s", str(limit_s)]  # fmt: skip
 
@@ -167,7 +170,7 @@ def sweep(
                     break
                 index, model_type = pending.pop(0)
             if child is None:
-                child = Child(cmd, on_stdout=answers.put, stdin=True)
+                child = Child(cmd, env, on_stdout=answers.put, stdin=True)
                 active.add(child)
                 ready = _await(answers, child, min(startup_s, left()), lambda x: x == READY)
                 if ready is None:
@@ -251,7 +254,12 @@ def _await(answers, child, timeout: float, accept) -> str | None:
 
 
 def _last_line(child) -> str:
-    lines = [x.strip() for x in child.tail if x.strip()]
+    """The child's last stderr line that is not part of a faulthandler dump."""
+    lines = [
+        x.strip()
+        for x in child.tail
+        if x.strip() and not x.startswith(("  File ", "Thread 0x", "Current thread 0x"))
+    ]
     return lines[-1][:200] if lines else ""
 
 
