@@ -564,6 +564,9 @@ def start_mirror(work: Path) -> tuple[subprocess.Popen, dict[str, str]]:
         text=True,
     )
     url = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+    if not url.startswith("http"):  # it said nothing: its error went to stderr above
+        proc.kill()
+        raise SystemExit(f"kernels serve did not start (exit {proc.wait()})")
     env = dict(
         os.environ, HF_ENDPOINT=url, HF_HUB_DISABLE_TELEMETRY="1", KERNELS_CACHE=str(work / "cache")
     )
