@@ -16,7 +16,15 @@ Setups (each in its own process, same initial weights, same token batches):
 
 Reports step time (median after warm-up), tokens/s, peak memory, both relative to Liger's, and
 the loss curve against eager.
+
+Each setup's progress (load, every step) is printed with a timestamp as it happens, and while
+one phase lasts, every --heartbeat seconds with where the process is. A setup past its time
+(--setup-timeout, or what --deadline leaves) has its stack taken and is killed: its row says the
+phase and the place, and the other setups still run (put the risky ones last). --setup-steps
+gives a slow-starting setup fewer steps (compile). The JSON and the table are rewritten after
+every setup, and on SIGTERM (an outer `timeout`) the table of what ran is still written.
 Usage (GPU): python scripts/bench_train.py [--family F] --out DIR [--steps 50] [--setups ...]
+             [--setup-steps compile=6] [--deadline 540]
 CPU smoke: TRITON_INTERPRET=1 python scripts/bench_train.py --family F --tiny --device cpu ...
 """
 
