@@ -678,6 +678,7 @@ def run_setup(setup: str, cmd: list[str], env: dict, timeout_s: float | None) ->
             log(progress[-1])
 
     proc = Child(cmd, env, on_stdout, on_stderr)
+    log(f"{setup}: pid {proc.proc.pid}")
     try:
         code = proc.wait(timeout_s)
     except BaseException:  # SIGTERM or Ctrl-C of the parent: the child must not outlive it
@@ -811,6 +812,7 @@ def run_all(args, family: Family) -> int:
     rows: list[dict] = []
     server = None
     header = ""
+    setup = ""  # the setup running now
 
     def left() -> float:
         return (
@@ -860,8 +862,9 @@ def run_all(args, family: Family) -> int:
             write()
     except _Terminated:
         log("terminated (SIGTERM): writing what was measured")
-        done = {r["setup"] for r in rows}
-        rows.extend({"setup": s, "error": "not run: terminated"} for s in setups if s not in done)
+        for s in setups[len(rows) :]:
+            why = "terminated (SIGTERM) while it ran" if s == setup else "not run: terminated"
+            rows.append({"setup": s, "error": why})
     finally:
         if server is not None:
             server.terminate()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -180,3 +181,36 @@ def test_the_liger_setup_patches_each_new_family_in_place(tmp_path, family):
         if "liger" in getattr(m.forward, "__func__", m.forward).__module__
     }
     assert {"", "input_layernorm", "mlp"} <= patched, patched
+
+
+def test_sigterm_from_an_outer_timeout_kills_the_setup_and_still_writes_the_table(tmp_path):
+    """What `timeout 190 python scripts/bench_train.py ...` does at its limit: the running
+    setup's process (in a session of its own) must not outlive the run, and the rows say
+    which setups did not run."""
+    out = tmp_path / "out"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--family", "gemma2", "--tiny", "--device", "cpu",
+         "--steps", "200", "--batch", "1", "--seq", "16", "--setups", "eager,ours",
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "eager: step 1/200" in line:
+                break
+        pid = int(next(re.search(r"eager: pid (\d+)", x)[1] for x in lines if "pid" in x))
+        proc.send_signal(signal.SIGTERM)
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+    finally:
+        proc.kill()
+    state = Path(f"/proc/{pid}/status")
+    assert not state.exists() or "zombie" in state.read_text(), "the setup outlived the run"
+    rows = json.loads((out / "train-gemma2.json").read_text())
+    assert rows == [{"setup": "eager", "error": "terminated (SIGTERM) while it ran"},
+                    {"setup": "ours", "error": "not run: terminated"}]  # fmt: skip
+    md = (out / "train-gemma2.md").read_text()
+    assert "| eager | error: terminated (SIGTERM) while it ran |" in md
