@@ -727,6 +727,24 @@ def parse_setup_steps(text: str, setups: list[str]) -> dict[str, int]:
     return out
 
 
+def parse_setup_timeouts(text: str, setups: list[str]) -> dict[str, float]:
+    """--setup-timeout "150,compile=300" -> {"": 150.0, "compile": 300.0}: a bare number is
+    every setup's, SETUP=S one setup's (positive seconds)."""
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.rpartition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = 0.0
+        if seconds <= 0 or (sep and name not in setups):
+            raise SystemExit(
+                f"--setup-timeout: {item!r} is not S or SETUP=S with SETUP in --setups and S > 0"
+            )
+        out[name] = seconds
+    return out
+
+
 class _Terminated(Exception):
     """SIGTERM (an outer `timeout`): stop, but still write what was measured."""
 
@@ -754,7 +772,11 @@ def main() -> int:
     p.add_argument("--attn", default="", help="attn_implementation (default: the family's)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
-    p.add_argument("--setup-timeout", type=float, help="seconds before a setup is killed")
+    p.add_argument(
+        "--setup-timeout",
+        default="",
+        help='seconds before a setup is killed: "150", or per setup "150,compile=300"',
+    )
     p.add_argument(
         "--deadline",
         type=float,
@@ -802,6 +824,7 @@ def run_all(args, family: Family) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     setups = [x for x in args.setups.split(",") if x]
     steps_of = parse_setup_steps(args.setup_steps, setups)
+    timeouts = parse_setup_timeouts(args.setup_timeout, setups)
     data_steps = max([args.steps, *steps_of.values()])
     json_name, md_name, png_name = output_names(args.family)
     out = Path(args.out) if args.out else None
@@ -838,7 +861,7 @@ def run_all(args, family: Family) -> int:
             steps = steps_of.get(setup, args.steps)
             warmup = min(args.warmup, steps - 1)
             budget = left() - DEADLINE_MARGIN_S
-            timeout = min(args.setup_timeout or float("inf"), budget)
+            timeout = min(timeouts.get(setup, timeouts.get("", float("inf"))), budget)
             if timeout < MIN_SETUP_S:
                 rows.append({"setup": setup, "error": f"not run: --deadline {args.deadline:g} s "
                              f"left {max(budget, 0):.0f} s"})  # fmt: skip

@@ -142,6 +142,15 @@ def test_a_deadline_too_short_for_any_setup_still_writes_every_row(tmp_path):
     assert md.count("| error: not run: --deadline 1 s") == 3
 
 
+def test_setup_timeouts_are_one_for_all_or_per_setup():
+    parse = bench_train.parse_setup_timeouts
+    assert parse("150,compile=300", ["eager", "compile"]) == {"": 150.0, "compile": 300.0}
+    assert parse("", ["eager"]) == {}
+    for bad in ("0", "ours=10", "compile=", "x"):
+        with pytest.raises(SystemExit, match="--setup-timeout"):
+            parse(bad, ["eager", "compile"])
+
+
 def test_setup_steps_are_checked():
     assert bench_train.parse_setup_steps("compile=6, liger=3", ["eager", "liger", "compile"]) == {
         "compile": 6,
