@@ -358,6 +358,27 @@ def binding_summary(model) -> dict:
     return {"bound_layers": dict(sorted(bound.items())), "kept_layers": kept}
 
 
+# The ops Liger's default patches for these families run through its dispatcher.
+LIGER_OPS = ("rms_norm", "geglu", "swiglu", "rope", "fused_linear_cross_entropy",
+             "cross_entropy_loss_and_grad")  # fmt: skip
+
+
+def liger_backends(device: str) -> str:
+    """Which implementation Liger's dispatcher (0.8.5+) picks per op on `device` ("triton",
+    "nvidia-cutedsl", ...), best first: a CuTe DSL build JIT-compiles on first use, a cost the
+    Triton path does not have. "n/a" on a Liger without the dispatcher."""
+    try:
+        from liger_kernel.backends import available_impls
+
+        picks = []
+        for op in LIGER_OPS:
+            impls = available_impls(op, device if device != "cpu" else None)
+            picks.append(f"{op} {'/'.join(impls) or '-'}")
+        return ", ".join(picks)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis line, never a failure
+        return f"n/a ({type(exc).__name__}: {str(exc)[:80]})"
+
+
 def child(args) -> dict:
     """One setup's run in this process: load, `args.steps` training steps, the RESULT row.
     Progress goes to stderr as it happens (the parent echoes it with timestamps), and a
@@ -375,6 +396,9 @@ def child(args) -> dict:
         args.child, args.model_dir, device, args.family, args.attn
     )
     watch.say(f"loaded in {load_s:.1f} s")
+    if args.child == "liger":
+        watch.phase("Liger backend discovery")
+        watch.say(f"Liger's picks: {liger_backends(device)}")
     compiled = args.child in COMPILED
     step_model = torch.compile(model, backend=args.compile_backend) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")

@@ -223,3 +223,12 @@ def test_sigterm_from_an_outer_timeout_kills_the_setup_and_still_writes_the_tabl
                     {"setup": "ours", "error": "not run: terminated"}]  # fmt: skip
     md = (out / "train-gemma2.md").read_text()
     assert "| eager | error: terminated (SIGTERM) while it ran |" in md
+
+
+def test_the_liger_setup_names_the_backend_liger_picks_per_op():
+    """Liger 0.8.5 dispatches each op to an implementation (Triton, or a CuTe DSL build that
+    compiles on first use where `cutlass` imports): the liger setup says which, before step 1."""
+    pytest.importorskip("liger_kernel")
+    picks = bench_train.liger_backends("cpu")
+    for op in ("rms_norm", "geglu", "rope", "fused_linear_cross_entropy"):
+        assert f"{op} nvidia-triton" in picks, picks
