@@ -91,7 +91,7 @@ def worker(device: str, dtype_name: str, limit_s: int) -> int:
     OUTCOME line (JSON) on stdout. The mirror comes from the parent's environment."""
     import bench_supervise
 
-    watch = bench_supervise.Watchdog("worker", period_s=0)  # SIGUSR1: the stack, for a kill
+    bench_supervise.Watchdog("worker", period_s=0)  # SIGUSR1 dumps the stack before a kill
     warnings.filterwarnings("ignore")
     import torch
     import transformers
@@ -103,7 +103,6 @@ def worker(device: str, dtype_name: str, limit_s: int) -> int:
         model_type = line.strip()
         if not model_type:
             continue
-        watch.phase(model_type)
         outcome = run_type(model_type, device, dtype, limit_s)
         print(OUTCOME + json.dumps(dataclasses.asdict(outcome)), flush=True)
     return 0
@@ -117,7 +116,7 @@ def outcome_line(outcome, done: int, total: int) -> str:
     )
 
 
-class Deadline(Exception):
+class _Terminated(Exception):
     """SIGTERM from an outer `timeout`: stop handing out types, write what was measured."""
 
 
@@ -204,7 +203,7 @@ def sweep(
                 child.kill(dump_wait_s=0)
 
     def on_sigterm(signum, frame):  # noqa: ARG001
-        raise Deadline
+        raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     threads = [threading.Thread(target=drive, args=(n,), daemon=True) for n in range(jobs)]
@@ -215,7 +214,7 @@ def sweep(
         for t in threads:
             while t.is_alive():
                 t.join(1.0)
-    except Deadline:
+    except _Terminated:
         log("terminated (SIGTERM): writing what was measured")
         stop.set()
         for child in list(active):
