@@ -98,6 +98,7 @@ def worker(device: str, dtype_name: str, limit_s: int) -> int:
 
     transformers.logging.set_verbosity_error()
     dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+    torch.empty(1, device=device)  # a device that refuses this process fails here, not per type
     print(READY, flush=True)
     for line in sys.stdin:
         model_type = line.strip()
@@ -146,6 +147,7 @@ def sweep(
     lock = threading.Lock()
     stop = threading.Event()
     active: set = set()  # the live workers, killed on SIGTERM
+    failed_starts: list[str] = []  # why a worker slot gave up
     # the workers share the host's cores: each gets its part for torch's intra-op threads
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
@@ -172,14 +174,15 @@ def sweep(
                 child = Child(cmd, env, on_stdout=answers.put, stdin=True)
                 active.add(child)
                 ready = _await(answers, child, min(startup_s, left()), lambda x: x == READY)
-                if ready is None:
-                    stack = child.kill()
+                if ready is None:  # this worker slot is out (the device refused a process?)
+                    child.kill(dump_wait_s=0)
+                    active.discard(child)
                     why = _last_line(child) or "no READY line"
-                    record(index, Outcome(model_type, "error",
-                                          reason=f"sweep worker did not start: {why} {stack}"),
-                           worker_no)  # fmt: skip
-                    child = None
-                    continue
+                    with lock:
+                        pending.insert(0, (index, model_type))  # the other workers take it
+                        failed_starts.append(why)
+                    log(f"w{worker_no} did not start: {why}")
+                    return
             child.send(model_type)
             hard = min(limit_s + grace_s, max(left() - 5, 1))
             line = _await(answers, child, hard, lambda x: x.startswith(OUTCOME))
@@ -221,7 +224,13 @@ def sweep(
             child.kill(dump_wait_s=0)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    why = "terminated" if stop.is_set() else f"--deadline of {deadline_s} s ran out"
+    if stop.is_set():
+        why = "terminated"
+    elif failed_starts and left() > 0:
+        why = f"no sweep worker left to run it ({len(failed_starts)} did not start: "
+        why += f"{failed_starts[-1]})"
+    else:
+        why = f"--deadline of {deadline_s} s ran out"
     with lock:
         for index, model_type in enumerate(types):
             results.setdefault(index, Outcome(model_type, "skipped", reason=f"not run: {why}"))

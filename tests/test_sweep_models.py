@@ -64,3 +64,16 @@ def test_types_not_started_before_the_deadline_are_rows(tmp_path):
         ["llama", "skipped", "", "not run: --deadline of 1.0 s ran out", "", ""],
         ["gpt2", "skipped", "", "not run: --deadline of 1.0 s ran out", "", ""],
     ]
+
+
+def test_workers_the_device_refuses_leave_rows_that_say_so(tmp_path):
+    """--device cuda on this CPU-only torch: every worker fails its first device touch, gives
+    its type back and ends; the types become rows with that reason (not one error per type
+    from a fresh failing worker each)."""
+    log, _, rows = _sweep(tmp_path, "--only", "llama,gpt2,bert", "--device", "cuda", "--jobs", "2")
+    assert [r[0] for r in rows] == ["llama", "gpt2", "bert"]
+    for row in rows:
+        assert row[1] == "skipped"
+        assert row[3].startswith("not run: no sweep worker left to run it (2 did not start: ")
+        assert "CUDA" in row[3], row[3]
+    assert len(re.findall(STAMP + r"w[01] did not start: ", log, re.M)) == 2
