@@ -164,13 +164,14 @@ def sweep(
         log(f"w{worker_no} " + outcome_line(outcome, done, len(types)))
 
     def drive(worker_no: int) -> None:
-        child, answers = None, queue.Queue()
+        child, answers = None, None
         while not stop.is_set():
             with lock:
                 if not pending or left() < 15:
                     break
                 index, model_type = pending.pop(0)
             if child is None:
+                answers = queue.Queue()  # a killed worker's late lines cannot reach this one
                 child = Child(cmd, env, on_stdout=answers.put, stdin=True)
                 active.add(child)
                 ready = _await(answers, child, min(startup_s, left()), lambda x: x == READY)
