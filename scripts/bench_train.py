@@ -16,7 +16,15 @@ Setups (each in its own process, same initial weights, same token batches):
 
 Reports step time (median after warm-up), tokens/s, peak memory, both relative to Liger's, and
 the loss curve against eager.
+
+Each setup's progress (load, every step) is printed with a timestamp as it happens, and while
+one phase lasts, every --heartbeat seconds with where the process is. A setup past its time
+(--setup-timeout, or what --deadline leaves) has its stack taken and is killed: its row says the
+phase and the place, and the other setups still run (put the risky ones last). --setup-steps
+gives a slow-starting setup fewer steps (compile). The JSON and the table are rewritten after
+every setup, and on SIGTERM (an outer `timeout`) the table of what ran is still written.
 Usage (GPU): python scripts/bench_train.py [--family F] --out DIR [--steps 50] [--setups ...]
+             [--setup-steps compile=6] [--deadline 540]
 CPU smoke: TRITON_INTERPRET=1 python scripts/bench_train.py --family F --tiny --device cpu ...
 """
 
@@ -350,24 +358,60 @@ def binding_summary(model) -> dict:
     return {"bound_layers": dict(sorted(bound.items())), "kept_layers": kept}
 
 
+# The ops Liger's default patches for these families run through its dispatcher.
+LIGER_OPS = ("rms_norm", "geglu", "swiglu", "rope", "fused_linear_cross_entropy",
+             "cross_entropy_loss_and_grad")  # fmt: skip
+
+
+def liger_backends(device: str) -> str:
+    """Which implementation Liger's dispatcher (0.8.5+) picks per op on `device` ("triton",
+    "nvidia-cutedsl", ...), best first: a CuTe DSL build JIT-compiles on first use, a cost the
+    Triton path does not have. "n/a" on a Liger without the dispatcher."""
+    try:
+        from liger_kernel.backends import available_impls
+
+        picks = []
+        for op in LIGER_OPS:
+            impls = available_impls(op, device if device != "cpu" else None)
+            picks.append(f"{op} {'/'.join(impls) or '-'}")
+        return ", ".join(picks)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis line, never a failure
+        return f"n/a ({type(exc).__name__}: {str(exc)[:80]})"
+
+
 def child(args) -> dict:
+    """One setup's run in this process: load, `args.steps` training steps, the RESULT row.
+    Progress goes to stderr as it happens (the parent echoes it with timestamps), and a
+    watchdog says where the process is while one phase (load, a step) lasts long."""
+    import bench_supervise
+
+    watch = bench_supervise.Watchdog(args.child, args.heartbeat)
+    watch.phase("import torch")
     import torch
 
     device = args.device
     ours = args.child in SETUP_MAPPINGS
+    watch.phase("load")
     model, load_s, bound = load_for_training(
         args.child, args.model_dir, device, args.family, args.attn
     )
+    watch.say(f"loaded in {load_s:.1f} s")
+    if args.child == "liger":
+        watch.phase("Liger backend discovery")
+        watch.say(f"Liger's picks: {liger_backends(device)}")
     compiled = args.child in COMPILED
     step_model = torch.compile(model, backend=args.compile_backend) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     gen = torch.Generator().manual_seed(1234)
     vocab = model.config.vocab_size
-    batches = torch.randint(0, vocab, (args.steps, args.batch, args.seq), generator=gen)
+    # the same token batches in every setup, whatever its number of steps (--setup-steps)
+    data_steps = max(args.steps, args.data_steps or 0)
+    batches = torch.randint(0, vocab, (data_steps, args.batch, args.seq), generator=gen)
     losses, times = [], []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
+        watch.phase(f"step {step + 1}" + (" (compiles)" if compiled and step == 0 else ""))
         ids = batches[step].to(device, non_blocking=True)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -380,6 +424,8 @@ def child(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         losses.append(float(loss.detach()))
+        watch.say(f"step {step + 1}/{args.steps} {times[-1]:.2f} s, loss {losses[-1]:.4f}")
+    watch.phase("")
     warm = times[args.warmup :] or times
     step_s = statistics.median(warm)
     out = {
@@ -389,6 +435,8 @@ def child(args) -> dict:
         "step_ms": step_s * 1e3,
         "tokens_per_s": args.batch * args.seq / step_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "steps": args.steps,
+        "warmup": args.warmup,
         "losses": losses,
         "bound_modules": bound,
         "training_after": model.training,
@@ -403,7 +451,8 @@ def child(args) -> dict:
         out.update(binding_summary(model))
         out["kernels"] = [k.describe() for k in get_loaded_kernels()]
     if args.profile and device == "cuda":
-        out["profile"] = profile_step(step_model, opt, batches[-1].to(device))
+        watch.phase("profile")
+        out["profile"] = profile_step(step_model, opt, batches[args.steps - 1].to(device))
     return out
 
 
@@ -547,6 +596,9 @@ def start_mirror(work: Path) -> tuple[subprocess.Popen, dict[str, str]]:
         text=True,
     )
     url = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+    if not url.startswith("http"):  # it said nothing: its error went to stderr above
+        proc.kill()
+        raise SystemExit(f"kernels serve did not start (exit {proc.wait()})")
     env = dict(
         os.environ, HF_ENDPOINT=url, HF_HUB_DISABLE_TELEMETRY="1", KERNELS_CACHE=str(work / "cache")
     )
@@ -555,24 +607,30 @@ def start_mirror(work: Path) -> tuple[subprocess.Popen, dict[str, str]]:
 
 def table(rows: list[dict], steps: int, warmup: int) -> str:
     """The markdown table of one family's run, with every setup's tokens/s and peak memory
-    relative to Liger's (the bar: ours >= 1.1x Liger's tokens/s at <= Liger's memory)."""
+    relative to Liger's (the bar: ours >= 1.1x Liger's tokens/s at <= Liger's memory). A setup
+    run with its own --setup-steps gets a note; loss differences cover the steps both ran."""
     ok = [r for r in rows if "error" not in r]
     eager = next((r for r in ok if r["setup"] == "eager"), None)
     liger = next((r for r in ok if r["setup"] == "liger"), None)
     lines = [
         f"| setup | step (median of steps {warmup + 1}-{steps}) | tokens/s | peak memory | "
-        "tokens/s vs Liger | peak vs Liger | max abs loss diff vs eager (all steps) | final loss |",
+        "tokens/s vs Liger | peak vs Liger | max abs loss diff vs eager (steps both ran) | "
+        "final loss |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['setup']} | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['setup']} | error: {_cell(r['error'])} | | | | | | |")
             continue
+        own = (r.get("steps", steps), r.get("warmup", warmup))
+        if own != (steps, warmup):
+            notes.append(f"{r['setup']}: {own[0]} steps, median of steps {own[1] + 1}-{own[0]}.")
         diff = ""
         if eager is not None and r is not eager:
-            diff = (
-                f"{max(abs(a - b) for a, b in zip(r['losses'], eager['losses'], strict=True)):.4f}"
-            )
+            n = min(len(r["losses"]), len(eager["losses"]))  # the steps both ran
+            pairs = zip(r["losses"][:n], eager["losses"][:n], strict=True)
+            diff = f"{max(abs(a - b) for a, b in pairs):.4f}"
         peak = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else "n/a"
         speed = f"{r['tokens_per_s'] / liger['tokens_per_s']:.2f}x" if liger else ""
         memory = ""
@@ -582,6 +640,8 @@ def table(rows: list[dict], steps: int, warmup: int) -> str:
             f"| {r['setup']} | {r['step_ms']:.0f} ms | {r['tokens_per_s'] / 1e3:.1f} k | {peak} "
             f"| {speed} | {memory} | {diff} | {r['losses'][-1]:.4f} |"
         )
+    if notes:
+        lines.append("\n" + " ".join(notes))
     bound = [r for r in ok if r.get("bound_layers")]
     for r in bound:
         layers = ", ".join(f"{k} x{v}" for k, v in r["bound_layers"].items())
@@ -618,25 +678,46 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def run_setup(setup: str, cmd: list[str], env: dict, timeout_s: float | None) -> dict:
-    """Run one setup's process; its RESULT row, or {"setup", "error"} when it failed or ran
-    past `timeout_s` (then its whole process group is killed: compile workers too)."""
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    """Run one setup's process; its RESULT row, or {"setup", "error"} with a one-line reason
+    when it failed or ran past `timeout_s`. Its progress lines are echoed as they come. On a
+    timeout the child's stack is taken (SIGUSR1) before its whole process group is killed
+    (compile workers too), and the reason says the phase it was in and where."""
+    from bench_supervise import PROGRESS, Child, log
+
+    result: list[str] = []
+    progress: list[str] = []
+
+    def on_stdout(line: str) -> None:
+        if line.startswith("RESULT "):
+            result.append(line[7:])
+
+    def on_stderr(line: str) -> None:
+        if line.startswith(PROGRESS):
+            progress.append(line[len(PROGRESS) :])
+            log(progress[-1])
+
+    proc = Child(cmd, env, on_stdout, on_stderr)
+    log(f"{setup}: pid {proc.proc.pid}")
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"setup": setup, "error": f"killed after --setup-timeout {timeout_s:g} s"}
-    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        print(stderr[-3000:], file=sys.stderr)
-        tail = (stderr.strip().splitlines() or [f"exit {proc.returncode}, no output"])[-1]
-        return {"setup": setup, "error": tail[:200]}
-    return json.loads(line[7:])
+        code = proc.wait(timeout_s)
+    except BaseException:  # SIGTERM or Ctrl-C of the parent: the child must not outlive it
+        proc.kill(dump_wait_s=0)
+        raise
+    if code is None:
+        stack = proc.kill()
+        last = progress[-1].split(": ", 1)[-1] if progress else "no progress line yet"
+        reason = f"killed after {timeout_s:.0f} s (last progress: {last})"
+        return {"setup": setup, "error": reason + (f"; stuck at {stack}" if stack else "")}
+    if not result:
+        print("\n".join(proc.tail), file=sys.stderr)
+        lines = [x for x in proc.tail if x.strip() and not x.startswith(PROGRESS)]
+        return {"setup": setup, "error": (lines or [f"exit {code}, no output"])[-1][:300]}
+    return json.loads(result[-1])
 
 
 def cpu_model() -> str:
@@ -656,20 +737,79 @@ def output_names(family: str) -> tuple[str, str, str]:
     return f"{stem}.json", f"{stem}.md", f"{stem}_loss.png"
 
 
+def parse_setup_steps(text: str, setups: list[str]) -> dict[str, int]:
+    """--setup-steps "compile=6,liger=8" -> {"compile": 6, "liger": 8}; each name one of
+    `setups` and each count at least 2 (one warm-up step, one measured)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, count = item.partition("=")
+        if not sep or not count.isdigit() or int(count) < 2 or name not in setups:
+            raise SystemExit(
+                f"--setup-steps: {item!r} is not SETUP=N with SETUP in --setups and N >= 2"
+            )
+        out[name] = int(count)
+    return out
+
+
+def parse_setup_timeouts(text: str, setups: list[str]) -> dict[str, float]:
+    """--setup-timeout "150,compile=300" -> {"": 150.0, "compile": 300.0}: a bare number is
+    every setup's, SETUP=S one setup's (positive seconds)."""
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.rpartition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = 0.0
+        if seconds <= 0 or (sep and name not in setups):
+            raise SystemExit(
+                f"--setup-timeout: {item!r} is not S or SETUP=S with SETUP in --setups and S > 0"
+            )
+        out[name] = seconds
+    return out
+
+
+class _Terminated(Exception):
+    """SIGTERM (an outer `timeout`): stop, but still write what was measured."""
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise _Terminated
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child")
     p.add_argument("--model-dir")
     p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3")
-    p.add_argument("--setups", default="eager,liger,ours,compile")
+    p.add_argument("--setups", default="eager,ours,liger,compile")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--setup-steps",
+        default="",
+        help='steps of some setups, e.g. "compile=6" (warm-up: at most --warmup, one less)',
+    )
+    p.add_argument("--data-steps", type=int, help=argparse.SUPPRESS)  # parent -> child
     p.add_argument("--batch", type=int, help="sequences per step (default: the family's)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the family's)")
     p.add_argument("--attn", default="", help="attn_implementation (default: the family's)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
-    p.add_argument("--setup-timeout", type=float, help="seconds before a setup is killed")
+    p.add_argument(
+        "--setup-timeout",
+        default="",
+        help='seconds before a setup is killed: "150", or per setup "150,compile=300"',
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds for the whole run: each setup's timeout is cut to what is left "
+        "(less a margin for the table), and setups that no longer fit are reported, not run",
+    )
+    p.add_argument(
+        "--heartbeat", type=float, default=30.0, help="seconds between a setup's progress lines"
+    )
     p.add_argument(
         "--tiny", action="store_true", help="a model of a few tiny layers (CPU smoke test)"
     )
@@ -692,48 +832,101 @@ def main() -> int:
         estimate = estimate_eager_gib(args.family, args.batch, args.seq)
         print(json.dumps({"family": args.family, "batch": args.batch, "seq": args.seq, **estimate}))
         return 0
+    return run_all(args, family)
+
+
+# Seconds --deadline keeps back for killing the last setup and writing the table.
+DEADLINE_MARGIN_S = 20.0
+# A setup is not started with less than this left (it could not even load the model).
+MIN_SETUP_S = 30.0
+
+
+def run_all(args, family: Family) -> int:
+    from bench_supervise import git_commit, log
+
+    started = time.monotonic()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    setups = [x for x in args.setups.split(",") if x]
+    steps_of = parse_setup_steps(args.setup_steps, setups)
+    timeouts = parse_setup_timeouts(args.setup_timeout, setups)
+    data_steps = max([args.steps, *steps_of.values()])
     json_name, md_name, png_name = output_names(args.family)
+    out = Path(args.out) if args.out else None
+    commit = git_commit(ROOT)
+    log(f"{args.family}: setups {','.join(setups)} at commit {commit}")
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     model_dir = work / "model"
-    save_model(model_dir, args.tiny, args.family)
-    server, env = start_mirror(work)
-    rows = []
+    rows: list[dict] = []
+    server = None
+    header = ""
+    setup = ""  # the setup running now
+
+    def left() -> float:
+        return (
+            float("inf") if args.deadline is None else args.deadline - (time.monotonic() - started)
+        )
+
+    def write() -> None:
+        if out is None:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        (out / json_name).write_text(json.dumps(rows, indent=1))
+        if header:
+            text = header + "\n\n" + table(rows, args.steps, args.warmup)
+            (out / md_name).write_text(text + "\n")
+
     try:
-        for setup in args.setups.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--child",
-                setup,
-                "--model-dir",
-                str(model_dir),
-                "--family",
-                args.family,
-                "--attn",
-                args.attn,
-                "--compile-backend",
-                args.compile_backend,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--batch",
-                str(args.batch),
-                "--seq",
-                str(args.seq),
-                "--device",
-                args.device,
-            ] + (["--profile"] if args.profile else [])
+        log("saving the model (random init)")
+        save_model(model_dir, args.tiny, args.family)
+        log("starting the kernels mirror")
+        server, env = start_mirror(work)
+        header = run_header(args, family, commit)
+        for setup in setups:
+            steps = steps_of.get(setup, args.steps)
+            warmup = min(args.warmup, steps - 1)
+            budget = left() - DEADLINE_MARGIN_S
+            timeout = min(timeouts.get(setup, timeouts.get("", float("inf"))), budget)
+            if timeout < MIN_SETUP_S:
+                rows.append({"setup": setup, "error": f"not run: --deadline {args.deadline:g} s "
+                             f"left {max(budget, 0):.0f} s"})  # fmt: skip
+                log(f"{setup}: {rows[-1]['error']}")
+                write()
+                continue
+            cmd = [sys.executable, __file__, "--child", setup, "--model-dir", str(model_dir),
+                   "--family", args.family, "--attn", args.attn,
+                   "--compile-backend", args.compile_backend, "--steps", str(steps),
+                   "--warmup", str(warmup), "--data-steps", str(data_steps),
+                   "--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device,
+                   "--heartbeat", str(args.heartbeat)]  # fmt: skip
+            cmd += ["--profile"] if args.profile else []
+            limit = "" if timeout == float("inf") else f", killed after {timeout:.0f} s"
+            log(f"{setup}: start ({steps} steps{limit})")
             t = time.perf_counter()
-            rows.append(run_setup(setup, cmd, env, args.setup_timeout))
+            rows.append(run_setup(setup, cmd, env, None if limit == "" else timeout))
             rows[-1]["wall_s"] = time.perf_counter() - t
-            print(f"{setup}: done in {rows[-1]['wall_s']:.0f} s", flush=True)
-            if args.out:
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                (Path(args.out) / json_name).write_text(json.dumps(rows, indent=1))
+            log(f"{setup}: done in {rows[-1]['wall_s']:.0f} s" + (
+                f" - error: {rows[-1]['error']}" if "error" in rows[-1] else ""))  # fmt: skip
+            write()
+    except _Terminated:
+        log("terminated (SIGTERM): writing what was measured")
+        for s in setups[len(rows) :]:
+            why = "terminated (SIGTERM) while it ran" if s == setup else "not run: terminated"
+            rows.append({"setup": s, "error": why})
     finally:
-        server.terminate()
+        if server is not None:
+            server.terminate()
         shutil.rmtree(work, ignore_errors=True)  # the saved model: up to 8 GB per family
+    text = (header or run_header(args, family, commit)) + "\n\n"
+    text += table(rows, args.steps, args.warmup)
+    print(text, flush=True)
+    write()
+    if out is not None:
+        plot(rows, out / png_name)
+    return 0
+
+
+def run_header(args, family: Family, commit: str) -> str:
+    """The line above the table: when, where, versions, commit, model and run shape."""
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -749,20 +942,14 @@ def main() -> int:
     if args.tiny:
         tiny = family.config(True)
         shape = f"tiny {args.family} ({tiny.num_hidden_layers} layers, hidden {tiny.hidden_size})"
-    header = (
+    return (
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, host {cpu_model()} "
         f"({os.cpu_count()} CPUs), "
         + ", ".join(f"{k} {v}" for k, v in versions.items())
-        + f". {shape}, random init, bf16, {args.attn} attention, batch {args.batch}x{args.seq}, "
-        f"AdamW{'(fused)' if args.device == 'cuda' else ''}, {args.steps} steps."
+        + f", commit {commit}. {shape}, random init, bf16, {args.attn} attention, "
+        f"batch {args.batch}x{args.seq}, AdamW{'(fused)' if args.device == 'cuda' else ''}, "
+        f"{args.steps} steps."
     )
-    text = header + "\n\n" + table(rows, args.steps, args.warmup)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        (out / md_name).write_text(text + "\n")
-        plot(rows, out / png_name)
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,8 +6,15 @@ batches, and compare losses and gradient norms (fp32: 1e-4 relative, bf16: 2e-2)
 come from a ``kernels serve`` mirror of hub_kernels/ on loopback. Writes the table to
 docs/models.md (``--out``).
 
+The types run in ``--jobs`` worker processes (one device shared), each handed the next type when
+it reports the last, so one slow type does not hold a shard back. A type past ``--limit-s`` is a
+row with that reason: the worker's own alarm stops it, and if the worker does not answer within
+a grace period after that (stuck in native code) the parent takes its stack, kills it, writes the
+row and starts a fresh worker. ``--deadline`` bounds the whole run: types not started in time
+are rows saying so. Progress lines carry timestamps; the table names the commit.
+
     python scripts/sweep_models.py                                  # CPU, fp32
-    python scripts/sweep_models.py --device cuda --dtype bf16 --out docs/models-h200.md
+    python scripts/sweep_models.py --device cuda --dtype bf16 --out docs/models-h200.md --jobs 8
     python scripts/sweep_models.py --only llama,gemma2,phi3         # a few types
     python scripts/sweep_models.py --liger    # Liger's types: their rows, and docs/models-liger.md
 """
@@ -15,12 +22,17 @@ docs/models.md (``--out``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import platform
+import queue
 import signal
 import sys
 import tempfile
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -56,26 +68,208 @@ def _alarm(signum, frame):  # noqa: ARG001
     raise TimeoutError("over the per-type time limit")
 
 
-def sweep(types: list[str], device: str, dtype, limit_s: int) -> list:
+def run_type(model_type: str, device: str, dtype, limit_s: int):
+    """One type's outcome, stopped by SIGALRM after `limit_s` (while Python code runs; 0: no
+    alarm)."""
     from tests.models.registry import Outcome, run_one
 
     signal.signal(signal.SIGALRM, _alarm)
-    outcomes = []
-    for model_type in types:
-        signal.alarm(limit_s)
-        try:
-            outcome = run_one(model_type, device=device, dtype=dtype)
-        except TimeoutError:
-            outcome = Outcome(model_type, "skipped", reason=f"took over {limit_s} s here")
-        finally:
-            signal.alarm(0)
-        outcomes.append(outcome)
-        print(
-            f"{model_type:28s} {outcome.status:8s} loss {outcome.loss_diff:.1e} "
-            f"grad {outcome.grad_diff:.1e}  {outcome.seconds:5.1f}s  {outcome.reason}",
-            flush=True,
-        )
+    signal.alarm(limit_s)
+    try:
+        return run_one(model_type, device=device, dtype=dtype)
+    except TimeoutError:
+        return Outcome(model_type, "skipped", reason=f"took over {limit_s} s here")
+    finally:
+        signal.alarm(0)
+
+
+OUTCOME, READY = "OUTCOME ", "READY"
+
+
+def worker(device: str, dtype_name: str, limit_s: int) -> int:
+    """A sweep worker: reads model types from stdin, one a line, and answers each with an
+    OUTCOME line (JSON) on stdout. The mirror comes from the parent's environment."""
+    import bench_supervise
+
+    bench_supervise.Watchdog("worker", period_s=0)  # SIGUSR1 dumps the stack before a kill
+    warnings.filterwarnings("ignore")
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+    torch.empty(1, device=device)  # a device that refuses this process fails here, not per type
+    print(READY, flush=True)
+    for line in sys.stdin:
+        model_type = line.strip()
+        if not model_type:
+            continue
+        outcome = run_type(model_type, device, dtype, limit_s)
+        print(OUTCOME + json.dumps(dataclasses.asdict(outcome)), flush=True)
+    return 0
+
+
+def outcome_line(outcome, done: int, total: int) -> str:
+    return (
+        f"[{done}/{total}] {outcome.model_type:28s} {outcome.status:8s} "
+        f"loss {outcome.loss_diff:.1e} grad {outcome.grad_diff:.1e}  {outcome.seconds:5.1f}s  "
+        f"{outcome.reason}"
+    )
+
+
+class _Terminated(Exception):
+    """SIGTERM from an outer `timeout`: stop handing out types, write what was measured."""
+
+
+def sweep(
+    types: list[str],
+    device: str,
+    dtype_name: str,
+    limit_s: int,
+    jobs: int = 1,
+    deadline_s: float | None = None,
+    grace_s: float = 30.0,
+    startup_s: float = 180.0,
+) -> list:
+    """Every type's Outcome, in the order of `types`, from `jobs` worker processes.
+
+    A type whose worker neither answers within `limit_s` + `grace_s` nor dies is a "skipped"
+    row saying so and where the worker was stuck; a worker that dies is an "error" row with
+    its last line; either way a fresh worker takes the next type. With `deadline_s`, types not
+    started before it (less a margin) are "skipped" rows saying so."""
+    from bench_supervise import Child, log
+
+    from tests.models.registry import Outcome
+
+    start = time.monotonic()
+    pending = list(enumerate(types))
+    results: dict[int, Outcome] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    active: set = set()  # the live workers, killed on SIGTERM
+    failed_starts: list[str] = []  # why a worker slot gave up
+    # the workers share the host's cores: each gets its part for torch's intra-op threads
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    cmd = [sys.executable, __file__, "--worker", "--device", device, "--dtype", dtype_name,
+           "--limit-s", str(limit_s)]  # fmt: skip
+
+    def left() -> float:
+        return float("inf") if deadline_s is None else deadline_s - (time.monotonic() - start)
+
+    def record(index: int, outcome, worker_no: int) -> None:
+        with lock:
+            results[index] = outcome
+            done = len(results)
+        log(f"w{worker_no} " + outcome_line(outcome, done, len(types)))
+
+    def drive(worker_no: int) -> None:
+        child, answers = None, None
+        while not stop.is_set():
+            with lock:
+                if not pending or left() < 15:
+                    break
+                index, model_type = pending.pop(0)
+            if child is None:
+                answers = queue.Queue()  # a killed worker's late lines cannot reach this one
+                child = Child(cmd, env, on_stdout=answers.put, stdin=True)
+                active.add(child)
+                ready = _await(answers, child, min(startup_s, left()), lambda x: x == READY)
+                if ready is None:  # this worker slot is out (the device refused a process?)
+                    child.kill(dump_wait_s=0)
+                    active.discard(child)
+                    why = _last_line(child) or "no READY line"
+                    with lock:
+                        pending.insert(0, (index, model_type))  # the other workers take it
+                        failed_starts.append(why)
+                    log(f"w{worker_no} did not start: {why}")
+                    return
+            child.send(model_type)
+            hard = min(limit_s + grace_s, max(left() - 5, 1))
+            line = _await(answers, child, hard, lambda x: x.startswith(OUTCOME))
+            if line is not None:
+                outcome = Outcome(**json.loads(line[len(OUTCOME) :]))
+            elif child.proc.poll() is not None:
+                code = child.wait(5)
+                outcome = Outcome(model_type, "error", reason=(
+                    f"the worker exited ({code}) on this type: {_last_line(child)}"[:300]))  # fmt: skip
+                child = None
+            else:
+                stack = child.kill()
+                outcome = Outcome(model_type, "skipped", reason=(
+                    f"killed after {hard:.0f} s (over the per-type limit of {limit_s} s)"
+                    + (f", stuck at {stack}" if stack else "")))  # fmt: skip
+                child = None
+            record(index, outcome, worker_no)
+        if child is not None:
+            child.proc.stdin.close()
+            if child.wait(30) is None:
+                child.kill(dump_wait_s=0)
+
+    def on_sigterm(signum, frame):  # noqa: ARG001
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    threads = [threading.Thread(target=drive, args=(n,), daemon=True) for n in range(jobs)]
+    log(f"sweeping {len(types)} model types with {jobs} worker(s), {limit_s} s per type")
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(1.0)
+    except _Terminated:
+        log("terminated (SIGTERM): writing what was measured")
+        stop.set()
+        for child in list(active):
+            child.kill(dump_wait_s=0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if stop.is_set():
+        why = "terminated"
+    elif failed_starts and left() > 0:
+        why = f"no sweep worker left to run it ({len(failed_starts)} did not start: "
+        why += f"{failed_starts[-1]})"
+    else:
+        why = f"--deadline of {deadline_s} s ran out"
+    with lock:
+        for index, model_type in enumerate(types):
+            results.setdefault(index, Outcome(model_type, "skipped", reason=f"not run: {why}"))
+        outcomes = [results[i] for i in range(len(types))]
+    seconds = sorted(o.seconds for o in outcomes if o.seconds)
+    if seconds:
+        slowest = max(outcomes, key=lambda o: o.seconds)
+        log(f"{len(types)} types in {time.monotonic() - start:.0f} s with {jobs} worker(s); "
+            f"per type: median {seconds[len(seconds) // 2]:.1f} s, "
+            f"p90 {seconds[int(len(seconds) * 0.9)]:.1f} s, total {sum(seconds):.0f} s, "
+            f"slowest {slowest.model_type} {slowest.seconds:.1f} s")  # fmt: skip
     return outcomes
+
+
+def _await(answers, child, timeout: float, accept) -> str | None:
+    """The first line from `answers` that `accept`s within `timeout` seconds; None on the
+    timeout or when the child exited first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            line = answers.get(timeout=min(1.0, max(end - time.monotonic(), 0.01)))
+        except queue.Empty:
+            if child.proc.poll() is not None and answers.empty():
+                return None
+            continue
+        if accept(line):
+            return line
+    return None
+
+
+def _last_line(child) -> str:
+    """The child's last stderr line that is not part of a faulthandler dump."""
+    lines = [
+        x.strip()
+        for x in child.tail
+        if x.strip() and not x.startswith(("  File ", "Thread 0x", "Current thread 0x"))
+    ]
+    return lines[-1][:200] if lines else ""
 
 
 def read_table(path: Path) -> list:
@@ -110,7 +304,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def table(outcomes: list, device: str, dtype_name: str) -> str:
+def table(outcomes: list, device: str, dtype_name: str, commit: str = "") -> str:
     import torch
     import transformers
 
@@ -127,7 +321,9 @@ def table(outcomes: list, device: str, dtype_name: str) -> str:
         "",
         f"Generated by `python scripts/sweep_models.py` on {datetime.date.today()} "
         f"({platform.machine()}, {device}, {dtype_name}; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}).",
+        f"transformers {transformers.__version__}"
+        + (f"; commit {commit}" if commit else "")
+        + ").",
         "",
         "Each model type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built as a tiny random model "
         "(hidden 64, 2 layers, 4 heads, vocab 256, 4 experts), then trained 3 AdamW steps as it "
@@ -221,7 +417,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
-    parser.add_argument("--limit-s", type=int, default=180, help="per model type")
+    parser.add_argument(
+        "--limit-s",
+        type=int,
+        default=180,
+        help="seconds per model type (0: no alarm in the worker, only the kill after --grace-s)",
+    )
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=30.0,
+        help="seconds past --limit-s before a worker that has not answered is killed",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="worker processes (they share one device)"
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds for the whole sweep; types not started in time are rows saying so",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--update", action="store_true", help="replace only the rows of the types run in --out"
     )
@@ -232,19 +448,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--liger-out", default=str(ROOT / "docs" / "models-liger.md"))
     args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.device, args.dtype, args.limit_s)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     if args.liger:
         args.only, args.update = ",".join(sorted(LIGER_TYPES)), True
 
+    from bench_supervise import git_commit, log
+
+    commit = git_commit(ROOT)
+    log(f"sweep at commit {commit}: {args.device}, {args.dtype}")
     warnings.filterwarnings("ignore")
     start_mirror()
-    import torch
-    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    transformers.logging.set_verbosity_error()
     types = [t for t in args.only.split(",") if t] or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    outcomes = sweep(types, args.device, dtype, args.limit_s)
+    outcomes = sweep(
+        types, args.device, args.dtype, args.limit_s, args.jobs, args.deadline, args.grace_s
+    )
     if args.liger:
         Path(args.liger_out).write_text(liger_table(outcomes))
         print(f"wrote {args.liger_out}")
@@ -252,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         fresh = {o.model_type: o for o in outcomes}
         outcomes = [fresh.pop(o.model_type, o) for o in read_table(Path(args.out))]
         outcomes += fresh.values()
-    Path(args.out).write_text(table(outcomes, args.device, args.dtype))
+    Path(args.out).write_text(table(outcomes, args.device, args.dtype, commit))
     print(f"wrote {args.out}")
     return 0
 
