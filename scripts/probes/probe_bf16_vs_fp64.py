@@ -25,6 +25,12 @@ Per model type it prints, with rel(a) = ||a - a64|| / ||a64||:
 
 ``ratio`` is rel(ours) / rel(plain): at most 1 means ours is as close to float64 as the plain
 model or closer.
+
+Under ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter, whose fp32 -> bf16 cast
+(an explicit ``.to(tl.bfloat16)`` or the implicit one of a store) drops the low bits, i.e. rounds
+toward zero, where the GPU rounds to nearest even: every bf16 value our kernels write carries up
+to twice the rounding error it has on the GPU, and a bias. ``--gpu-rounding`` makes the
+interpreter round to nearest even, as the GPU does, so that the CPU shows the GPU's numerics.
 """
 
 from __future__ import annotations
@@ -42,6 +48,29 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+
+
+def round_like_gpu() -> None:
+    """Make Triton's interpreter round fp32 -> bf16 to nearest even (the GPU's default)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def rounded(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = np.ascontiguousarray(src.data, dtype=np.float32)
+            bits = data.view(np.uint32)
+            # add half an ulp of bf16 (minus one when the kept last bit is even), keep the top half
+            out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(
+                np.uint16
+            )
+            out[np.isnan(data)] = 0x7FC0
+            return interpreter.TensorHandle(out, dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = rounded
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -336,7 +365,9 @@ def probe(model_type: str, device: str, top: int = 6) -> dict:
         r["layer"] = mods[r["module"]][0]
     head = isolated_head(plain, ours, ref, batches[0], dtype)
     if head:
-        head["layer"] = next((e.layer_name for e in report if e.status == "bound" and not e.path), "")
+        head["layer"] = next(
+            (e.layer_name for e in report if e.status == "bound" and not e.path), ""
+        )
         iso.append(head)
     grads = param_grads(plain, ours, ref, batches[0], top)
     steps = three_steps(plain, ours, ref, batches)
@@ -362,7 +393,9 @@ def print_result(res: dict) -> None:
     print(f"\n=== {res['model_type']}  (bound: {', '.join(res['bound'])})")
     for title, rows in (("in model, 1 step", res["in_model"]), ("isolated", res["isolated"])):
         print(f"-- {title}: rel to float64 as plain / ours / ratio")
-        print(f"{'module':44s} {'layer':20s} {'output':24s} {'input grad':24s} {'weight grads':24s}")
+        print(
+            f"{'module':44s} {'layer':20s} {'output':24s} {'input grad':24s} {'weight grads':24s}"
+        )
         for r in rows:
             name = r["module"] + (f"#{r['call']}" if r.get("call") else "")
             print(
@@ -376,13 +409,19 @@ def print_result(res: dict) -> None:
     )
     print(f"{'parameter (largest gradients)':56s} {'|g64|':>8s} {'plain':>8s} {'ours':>8s} ratio")
     for r in g["largest grads"]:
-        print(f"{r['param'][-56:]:56s} {r['grad norm']:8.2e} {r['plain']:8.1e} {r['ours']:8.1e} {r['ratio']:5.2f}")
+        print(
+            f"{r['param'][-56:]:56s} {r['grad norm']:8.2e} {r['plain']:8.1e} {r['ours']:8.1e} {r['ratio']:5.2f}"
+        )
     print(f"{'parameter (worst ours/plain)':56s}")
     for r in g["worst ratio"]:
-        print(f"{r['param'][-56:]:56s} {r['grad norm']:8.2e} {r['plain']:8.1e} {r['ours']:8.1e} {r['ratio']:5.2f}")
+        print(
+            f"{r['param'][-56:]:56s} {r['grad norm']:8.2e} {r['plain']:8.1e} {r['ours']:8.1e} {r['ratio']:5.2f}"
+        )
     s = res["three_steps"]
     print("-- 3 AdamW steps (loss, grad norm): plain | ours | float64")
-    for i, (p, o, r) in enumerate(zip(s["steps"]["plain"], s["steps"]["ours"], s["steps"]["ref"], strict=True)):
+    for i, (p, o, r) in enumerate(
+        zip(s["steps"]["plain"], s["steps"]["ours"], s["steps"]["ref"], strict=True)
+    ):
         print(f"step {i}: {p[0]:.5f} {p[1]:.4f} | {o[0]:.5f} {o[1]:.4f} | {r[0]:.5f} {r[1]:.4f}")
     for what in ("loss", "grad norm"):
         print(
@@ -396,7 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="gemma4_text", help="comma-separated model types")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default="", help="write the numbers here")
+    parser.add_argument(
+        "--gpu-rounding",
+        action="store_true",
+        help="under TRITON_INTERPRET=1: round fp32 -> bf16 to nearest even, as the GPU does",
+    )
     args = parser.parse_args(argv)
+    if args.gpu_rounding:
+        round_like_gpu()
     warnings.filterwarnings("ignore")
     import sweep_models
 
@@ -404,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')} device={args.device}")
+    print(
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')} device={args.device} "
+        f"gpu-rounding={args.gpu_rounding}"
+    )
     results = []
     for model_type in [t for t in args.only.split(",") if t]:
         res = probe(model_type, args.device)
