@@ -211,10 +211,10 @@ def isolated(plain, ours, ref, paths, ref_calls, dtype) -> list[dict]:
                 params = [p for p in module.parameters() if p.requires_grad]
                 args = [cast(a, dt) for a in call["args"]]
                 kwargs = {k: cast(v, dt) for k, v in call["kwargs"].items()}
-                res[name] = (_module_run(module, args, kwargs, x.to(dt), dy.to(dt), params), params)
-            (o64, dx64, dp64), pnames = res["ref"][0], res["ref"][1]
+                res[name] = _module_run(module, args, kwargs, x.to(dt), dy.to(dt), params)
+            o64, dx64, dp64 = res["ref"]
             for name in ("plain", "ours"):
-                out, dx, dps = res[name][0]
+                out, dx, dps = res[name]
                 row[f"out {name}"] = rel(out, o64)
                 row[f"dx {name}"] = rel(dx, dx64)
                 dw = [rel(a, b) for a, b in zip(dps, dp64, strict=True) if b is not None]
@@ -284,7 +284,7 @@ def _decoder_path(model) -> str | None:
 def param_grads(plain, ours, ref, ids, top: int) -> dict:
     norms = {}
     per = []
-    for name, model in (("plain", plain), ("ours", ours), ("ref", ref)):
+    for model in (plain, ours, ref):
         model.zero_grad(set_to_none=True)
         _loss(model, ids).backward()
     named = {
@@ -343,6 +343,7 @@ def three_steps(plain, ours, ref, batches) -> dict:
 
 def probe(model_type: str, device: str, top: int = 6) -> dict:
     import kernels
+
     from tests.models.registry import VOCAB, build
 
     dtype = torch.bfloat16
