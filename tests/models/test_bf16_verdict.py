@@ -89,3 +89,13 @@ def test_runs_of_different_models_are_refused():
     ours.grads[1] = ours.grads[1][:-1]
     with pytest.raises(ValueError, match="compare copies of one model"):
         judge(plain, ours, ref)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_olmo_rotary_keeps_the_bf16_dtype_on_the_torch_path(mirror, model_type):
+    """OLMo 2/3 keep cos/sin in fp32 and cast the rotated q/k back to bf16; the rotary layer's
+    torch path (the CPU's) returned the fp32 products and the attention's next matmul refused
+    them (the Triton kernel already wrote q's dtype)."""
+    outcome = run_one(model_type, dtype=torch.bfloat16)
+    assert "rotary_pos_emb" in outcome.bound, outcome
+    assert outcome.status == "match", outcome
