@@ -127,11 +127,12 @@ def table(outcomes: list, device: str, dtype_name: str) -> str:
     criterion = (
         "`match`: every step's loss and gradient norm agree within 1e-4 relative."
         if dtype_name == "fp32"
-        else "`match`: the kernelized model is no further from the plain model cast to float64 "
-        f"(same weights, batches and steps) than {FACTOR}x the plain bf16 model is, in loss and in the "
-        "whole gradient, or within one bf16 rounding (2^-8) of it (tests/models/bf16_verdict.py: "
-        "two bf16 models can be further apart than either is from float64). The diff columns are "
-        "plain vs ours; where they exceed 2e-2 the reason gives both distances to float64."
+        else "`match`: in every step, the kernelized model's loss and whole gradient are no "
+        f"further from float64 than {FACTOR}x the plain bf16 model's are, or within one bf16 "
+        "rounding (2^-8); float64 is the plain model cast to float64 and loaded with each bf16 "
+        "model's weights of that step (tests/models/bf16_verdict.py: two bf16 models can be "
+        "further apart than either is from float64). The diff columns are plain vs ours; where "
+        "they exceed 2e-2 the reason gives both distances to float64."
     )
     lines = [
         "# Training kernels across transformers' causal LMs",
