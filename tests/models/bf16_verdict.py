@@ -76,6 +76,8 @@ class Run:
     exact: torch.nn.Module | None
     losses: list[float] = field(default_factory=list)
     grads: list[float] = field(default_factory=list)
+    # steps left out: float64 routed some token to other experts than the bf16 model did
+    rerouted: int = 0
     # why float64 could not be run (then the distances stop)
     error: str = ""
 
@@ -96,19 +98,42 @@ class Run:
                 p64.copy_(p)
         exact.zero_grad(set_to_none=True)
         exact.train()
-        # the float64 pass must not move the random stream the bf16 training draws from
+        # the float64 passes must not move the random stream the bf16 training draws from
         devices = [torch.cuda.current_device()] if ids.is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
-            loss64 = exact(input_ids=ids, labels=ids).loss
+            with torch.no_grad(), _TopK() as routed:
+                model(input_ids=ids)
+            torch.manual_seed(0)
+            with _TopK() as routed64:
+                loss64 = exact(input_ids=ids, labels=ids).loss
             loss64.backward()
-        self.losses.append(_rel(loss, loss64.item()))
-        self.grads.append(_rel(flat_grad(model), flat_grad(exact)))
+        if routed.picks != routed64.picks:
+            # a token whose experts nearly tie went another way: the two compute different
+            # functions here, and how far apart they land says nothing of the kernels
+            self.rerouted += 1
+        else:
+            self.losses.append(_rel(loss, loss64.item()))
+            self.grads.append(_rel(flat_grad(model), flat_grad(exact)))
         exact.zero_grad(set_to_none=True)
 
-    def distance(self) -> tuple[float, float]:
-        """(loss, gradient) distance to float64: the worst step's."""
-        return max(self.losses), max(self.grads)
+    def distance(self) -> tuple[float, float] | None:
+        """(loss, gradient) distance to float64: the worst compared step's (None: no step)."""
+        return (max(self.losses), max(self.grads)) if self.losses else None
+
+
+class _TopK(torch.overrides.TorchFunctionMode):
+    """Records which indices every top-k inside the block picks (MoE routing, group choice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.picks: list[list[list[int]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.topk, torch.Tensor.topk):
+            self.picks.append(out[1].detach().sort(-1).values.cpu().tolist())
+        return out
 
 
 @dataclass

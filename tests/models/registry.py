@@ -314,19 +314,30 @@ BF16_AGREE = 2e-2
 
 def _bf16_status(plain_run, ours_run, loss_diff, grad_diff) -> tuple[str, str, Verdict | None]:
     """(status, note, verdict) of a bf16 comparison: ours no further from float64 than the plain
-    model (bf16_verdict.judge); the note gives both distances where ours is the further one or
-    where plain and ours differ by more than BF16_AGREE."""
+    model (bf16_verdict.judge); the note gives both distances where ours is the further one,
+    where plain and ours differ by more than BF16_AGREE, or where steps were left out."""
     error = plain_run.error or ours_run.error
-    if error:  # a model that does not run in float64: only the first criterion is left
+    if not error and None in (plain_run.distance(), ours_run.distance()):
+        error = "float64 routed tokens to other experts in every step"
+    if error:  # no float64 comparison: only the first criterion is left
         agree = loss_diff <= BF16_AGREE and grad_diff <= BF16_AGREE
         return ("match" if agree else "mismatch"), f"no float64 run ({error})", None
     verdict = judge(plain_run.distance(), ours_run.distance())
+    note = verdict.note()
+    if plain_run.rerouted or ours_run.rerouted:
+        note += (
+            f" (steps where float64 routes tokens elsewhere, left out: plain {plain_run.rerouted},"
+            f" ours {ours_run.rerouted})"
+        )
     if not verdict.match:
-        return "mismatch", f"further from float64 than the plain model: {verdict.note()}", verdict
+        return "mismatch", f"further from float64 than the plain model: {note}", verdict
     if loss_diff > BF16_AGREE or grad_diff > BF16_AGREE:
-        note = f"bf16 noise: plain and ours differ by over {BF16_AGREE:.0e}; {verdict.note()}"
-        return "match", note, verdict
-    return "match", "", verdict
+        return (
+            "match",
+            f"bf16 noise: plain and ours differ by over {BF16_AGREE:.0e}; {note}",
+            verdict,
+        )
+    return "match", note if plain_run.rerouted or ours_run.rerouted else "", verdict
 
 
 def bound_name(model, path: str) -> str:
