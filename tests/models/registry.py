@@ -318,7 +318,7 @@ def _bf16_status(plain_run, ours_run, loss_diff, grad_diff) -> tuple[str, str, V
     where plain and ours differ by more than BF16_AGREE, or where steps were left out."""
     error = plain_run.error or ours_run.error
     if not error and None in (plain_run.distance(), ours_run.distance()):
-        error = "float64 routed tokens to other experts in every step"
+        error = "float64 made other top-k picks (routing) in every step"
     if error:  # no float64 comparison: only the first criterion is left
         agree = loss_diff <= BF16_AGREE and grad_diff <= BF16_AGREE
         return ("match" if agree else "mismatch"), f"no float64 run ({error})", None
@@ -326,7 +326,7 @@ def _bf16_status(plain_run, ours_run, loss_diff, grad_diff) -> tuple[str, str, V
     note = verdict.note()
     if plain_run.rerouted or ours_run.rerouted:
         note += (
-            f" (steps where float64 routes tokens elsewhere, left out: plain {plain_run.rerouted},"
+            f" (steps where float64 makes other top-k picks, left out: plain {plain_run.rerouted},"
             f" ours {ours_run.rerouted})"
         )
     if not verdict.match:
