@@ -131,7 +131,8 @@ def table(outcomes: list, device: str, dtype_name: str) -> str:
         f"further from float64 than {FACTOR}x the plain bf16 model's are, or within one bf16 "
         "rounding (2^-8); float64 is the plain model cast to float64 and loaded with each bf16 "
         "model's weights of that step (tests/models/bf16_verdict.py: two bf16 models can be "
-        "further apart than either is from float64). The diff columns are plain vs ours; where "
+        "further apart than either is from float64); a step where float64 makes other top-k "
+        "picks (MoE routing) is left out and counted. The diff columns are plain vs ours; where "
         "they exceed 2e-2 the reason gives both distances to float64."
     )
     lines = [
