@@ -342,10 +342,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def composite(q, k, cos, sin, unsqueeze_dim: int = 1):
-    """The transformers formula in plain torch ops (autograd by torch): the CPU and fallback path."""
+    """The transformers formula in plain torch ops (autograd by torch): the CPU and fallback path.
+    Like the kernel, it returns q's and k's dtypes: OLMo 2 keeps cos/sin in fp32 and casts the
+    fp32 products back (its attention refuses an fp32 q next to a bf16 v)."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q_out = q * cos + _rotate_half(q) * sin
+    k_out = k * cos + _rotate_half(k) * sin
+    return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
 @torch.library.custom_op(op_name("rope"), mutates_args=())
