@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,15 +93,35 @@ def test_the_rule_factor_and_floor():
     assert not judge((1e-2, 1e-1), (2e-2, 1e-1)).match  # the loss is judged too
 
 
-def test_a_step_routed_otherwise_in_float64_is_left_out(mirror):
-    """GPT-OSS, kernelized, after its first AdamW step: at those very weights float64 sends one
-    token to another expert than bf16 does (a near tie), and that step's gradient lands 8e-2
-    from float64's where the other steps land 6e-3. The step is left out and counted: the
-    kernels are judged on the steps where both compute the same function."""
-    outcome = run_one("gpt_oss", dtype=torch.bfloat16)
-    assert "MoEExperts" in outcome.bound, outcome
-    assert outcome.status == "match", outcome
-    assert "left out: plain 0, ours 1" in outcome.reason, outcome.reason
+class _Router(torch.nn.Module):
+    """A one-weight router: two experts' scores 1 and 1 + `gap`; the loss uses the top one."""
+
+    def __init__(self, gap: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+        self.gap = gap
+        self.config = SimpleNamespace()
+
+    def forward(self, input_ids, labels=None):
+        scores = self.w + torch.tensor([0.0, self.gap], dtype=self.w.dtype)
+        top = torch.topk(scores, 1).indices
+        return SimpleNamespace(loss=(self.w[top] * self.w.sum()).sum())
+
+
+@pytest.mark.parametrize("gap, rerouted", [(1e-3, 1), (1e-2, 0)])
+def test_a_step_routed_otherwise_in_float64_is_left_out(gap, rerouted):
+    """A gap of 1e-3 vanishes in bf16 (1 + 1e-3 rounds to 1: a tie, expert 0) but not in
+    float64 (expert 1): the two compute different functions, so that step is left out and
+    counted rather than judged. A gap bf16 keeps (1e-2) routes alike and is judged."""
+    model = _Router(gap).to(torch.bfloat16)
+    run = Run(exact=float64_copy(model))
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    loss = model(input_ids=ids).loss
+    loss.backward()
+    run.record(model, ids, loss.item())
+    assert not run.error, run.error
+    assert run.rerouted == rerouted
+    assert len(run.losses) == len(run.grads) == 1 - rerouted
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
