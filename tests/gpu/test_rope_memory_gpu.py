@@ -67,7 +67,10 @@ def _fwd_bwd(kt, leaves, cos_sin, grads, rope):
     q = (xq * 1.0).view(B, T, HQ, D).transpose(1, 2)
     k = (xk * 1.0).view(B, T, HK, D).transpose(1, 2)
     if rope:
+        ptrs = q.data_ptr(), k.data_ptr()
         q, k = (kt.apply_rotary_pos_emb if rope is True else rope)(q, k, *cos_sin)
+        if rope is True:  # ours ran in place (the storage-count checks hold on this torch)
+            assert (q.data_ptr(), k.data_ptr()) == ptrs
     # Upstream gradients made by an op's backward, as attention's are (not passed as roots).
     ((q * grads[0]).sum() + (k * grads[1]).sum()).backward()
 

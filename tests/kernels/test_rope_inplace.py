@@ -261,3 +261,17 @@ def test_the_tuner_may_launch_any_number_of_times(kt, monkeypatch):
     assert_close(ko, kr, torch.float32, "k_embed")
     for name, got, ref in zip(("dx", "dWq", "dWk"), grads, refs, strict=True):
         assert_close(got, ref, torch.float32, name)
+
+
+def test_a_frozen_parameter_is_not_written(kt):
+    """q and k that view frozen parameters (requires_grad=False: no leaf check fires) keep
+    their values; the rotation goes to new tensors."""
+    cos, sin = cos_sin(torch.float32)
+    wq = torch.nn.Parameter(torch.randn(B, T, HQ * D), requires_grad=False)
+    wk = torch.nn.Parameter(torch.randn(B, T, HK * D), requires_grad=False)
+    before = wq.detach().clone(), wk.detach().clone()
+    q = wq.view(B, T, HQ, D).transpose(1, 2)
+    k = wk.view(B, T, HK, D).transpose(1, 2)
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(wq, before[0]) and torch.equal(wk, before[1])
+    assert qo.data_ptr() != wq.data_ptr()

@@ -324,12 +324,15 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=
         tune = launch
         if qo is q or ko is k:
             # In place: every timing launch would rotate q and k once more. The tuner times
-            # launches into scratch outputs instead (once per key), and the winner runs here.
-            qs, ks = (_to_bhtd(_out_like(x), unsqueeze_dim) for x in (q, k))
-            sqs, sks = qs.stride(), ks.stride()
+            # launches into scratch outputs instead, made only when it launches (a shape's
+            # first call), and the winner runs here.
+            scratch = []
 
             def tune(c):
-                launch(c, qs, ks, sqs, sks)
+                if not scratch:
+                    qs, ks = (_to_bhtd(_out_like(x), unsqueeze_dim) for x in (q, k))
+                    scratch.extend((qs, ks, qs.stride(), ks.stride()))
+                launch(c, *scratch)
 
         cfg = pick_config(key, rope_candidates(hq, hk, d), tune, cold=q.device)
     launch(cfg)
@@ -405,13 +408,17 @@ def _own_memory(x: torch.Tensor) -> bool:
     """Whether x's memory may take its rotation: no other tensor holds x's storage (only x and
     the tensor it views), x is no leaf that requires grad, nor a view of one (a parameter or an
     input the user holds), not an inference tensor (no version counter to bump), and dense with
-    a unit head_dim stride (each element once, where the kernel writes)."""
+    a unit head_dim stride (each element once, where the kernel writes); nor a parameter or a
+    view of one, even frozen. A Python reference the caller keeps to q's base (the projection's
+    output) is not seen: that tensor reads the rotated values after the call."""
     if x.stride(-1) != 1 or x.is_inference():
         return False
-    if x.requires_grad and x.is_leaf:
+    if (x.requires_grad and x.is_leaf) or isinstance(x, torch.nn.Parameter):
         return False
     base = x._base
-    if base is not None and base.requires_grad and base.is_leaf:
+    if base is not None and (
+        (base.requires_grad and base.is_leaf) or isinstance(base, torch.nn.Parameter)
+    ):
         return False
     # Holders of the storage: x, its base, the storage object made here. Any other is a tensor
     # that could read the memory after the rotation: an op that saved its output for its
