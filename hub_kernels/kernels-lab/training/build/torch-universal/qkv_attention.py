@@ -140,11 +140,12 @@ def shared_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
     On every row that keeps at least one key the attention computes what it computes from the
     bool mask (a masked score gets weight 0 either way). A fully masked row (a left-padding
-    query under some masks) is backend-defined: with -inf it comes out NaN or 0 depending on
-    the kernel, while cuDNN's sdpa fills a bool mask with -65504 rather than -inf, which
-    attends over every key there. The model discards those rows' outputs. The cached mask is reused while the
-    bool mask's version counter is unchanged, so a write that bypasses the counter (through
-    ``.data`` or a DLPack view) is not seen."""
+    query under some masks) is backend-defined: with -inf it comes out NaN or 0 as the kernel
+    decides, while cuDNN's sdpa fills a bool mask with -65504 rather than -inf, which attends
+    over every key there. The model discards those rows' outputs.
+
+    The made mask is reused while the bool mask's version counter is unchanged, so a write
+    that bypasses the counter (through ``.data`` or a DLPack view) is not seen."""
     entry = _ADDITIVE.get(id(mask))
     if entry is not None and entry[0]() is mask and entry[1:3] == (mask._version, dtype):
         return entry[3]
