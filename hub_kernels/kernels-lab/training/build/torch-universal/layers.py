@@ -434,8 +434,8 @@ class FusedQKVAttention(nn.Module):
     """Phi-3-style attention: ``qkv = qkv_proj(x)`` holding [q | k | v] in three blocks,
     rotate-half RoPE (partial or full), the model's attention function, ``o_proj``. The split
     and the rotation are one node that keeps only cos/sin: qkv is freed after it (v no longer
-    pins it for the attention's backward) and d(qkv) is written once. A call with a KV cache,
-    or under torch.compile, runs the module's own forward.
+    pins it for the attention's backward) and d(qkv) is written once. A KV cache that already
+    holds the layer's tokens (decoding), or torch.compile, runs the module's own forward.
 
     The projections are ``qkv_proj`` and ``o_proj``, or the child names the class attribute
     ``kernels_qkv_projections`` gives (the loader's structure probe sets it)."""

@@ -3,8 +3,9 @@
 The family's forward slices q, k and v out of ``qkv = qkv_proj(x)`` ([B, T, (Hq + 2 Hk) D], the
 three blocks one after the other), rotates q and k and hands all three to the attention
 function. Without a KV cache v stays a slice of qkv, so whatever the attention saves for its
-backward keeps the whole qkv buffer alive: 3x the bytes of v per layer. And autograd's backward
-of the three slices zero-fills a full-size d(qkv) buffer per slice and adds them up.
+backward keeps the whole qkv buffer alive: (Hq + 2 Hk) / Hk times the bytes of v per layer (3x
+with as many kv heads as query heads, more with grouped kv heads). And autograd's backward of
+the three slices zero-fills a full-size d(qkv) buffer per slice and adds them up.
 
 ``split_qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim)`` does the split and the rotation in
 one autograd node that saves only cos and sin:
@@ -21,6 +22,12 @@ without the interpreter, an odd rotary width) run the same formula in torch ops,
 the one node. ``qkv_attention(module, ...)`` is the whole forward the layer class binds; under
 sdpa it also hands every layer one additive mask made from the model's bool mask
 (``shared_additive_mask``), where sdpa would make and keep a copy per layer.
+
+A KV cache that holds no tokens of the layer yet (a training step of a model whose config keeps
+``use_cache``, or the prefill of ``generate``) is updated with the rotated k and v as the
+family's forward updates it, and the attention reads what the update returns. A cache that
+already holds tokens (decoding, one or few new tokens) and torch.compile run the family's own
+forward: the fused split buys nothing there.
 """
 
 from __future__ import annotations
@@ -56,13 +63,14 @@ def _kernel_takes(q, k, cos, sin) -> bool:
     return triton_supported(q[..., :rd], k[..., :rd], cos, sin, 2)
 
 
-def _rotate_into(q, k, cos, sin, qo, ko, backward: bool, repeats=_ASK) -> None:
+def _rotate_into(q, k, cos, sin, qo, ko, backward: bool, kernel: bool, repeats=_ASK) -> None:
     """qo, ko = the rotation of q, k (its transpose when `backward`) over the first
     cos.shape[-1] dims of each head; the other dims are copied. [B, T, H, D] layout.
+    `kernel`: ``_kernel_takes(q, k, cos, sin)``, which the caller has asked already;
     `repeats`: the rope kernel's answer for cos/sin (asked when _ASK)."""
     rd = cos.shape[-1]
     qr, kr, qor, kor = q[..., :rd], k[..., :rd], qo[..., :rd], ko[..., :rd]
-    if _kernel_takes(q, k, cos, sin):
+    if kernel:
         rotate(qr, kr, cos, sin, 2, backward, repeats=repeats, out=(qor, kor))
     else:
         qt, kt = composite(qr, kr, cos, _transposed_sin(sin) if backward else sin, 2)
@@ -82,8 +90,9 @@ class SplitQKVRope(torch.autograd.Function):
         q, k, v = _blocks(qkv, heads, kv_heads, head_dim)
         qo = torch.empty(q.shape, dtype=qkv.dtype, device=qkv.device)
         ko = torch.empty(k.shape, dtype=qkv.dtype, device=qkv.device)
-        repeats = halves_repeat(cos, sin) if _kernel_takes(q, k, cos, sin) else _ASK
-        _rotate_into(q, k, cos, sin, qo, ko, False, repeats)
+        kernel = _kernel_takes(q, k, cos, sin)
+        repeats = halves_repeat(cos, sin) if kernel else _ASK
+        _rotate_into(q, k, cos, sin, qo, ko, False, kernel, repeats)
         vo = v.clone(memory_format=torch.contiguous_format)
         ctx.save_for_backward(cos, sin)
         ctx.shape = (heads, kv_heads, head_dim)
@@ -100,7 +109,8 @@ class SplitQKVRope(torch.autograd.Function):
         width = (heads + 2 * kv_heads) * head_dim
         dqkv = torch.empty(b, t, width, dtype=dq.dtype, device=dq.device)
         dqo, dko, dvo = _blocks(dqkv, heads, kv_heads, head_dim)
-        _rotate_into(dq, dk, cos, sin, dqo, dko, True, ctx.repeats)
+        kernel = _kernel_takes(dq, dk, cos, sin)
+        _rotate_into(dq, dk, cos, sin, dqo, dko, True, kernel, ctx.repeats)
         dvo.copy_(dv)
         return dqkv, None, None, None, None, None
 
@@ -123,11 +133,19 @@ _ADDITIVE: dict[int, tuple] = {}
 
 
 def shared_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask (0 where ``mask`` is True, -inf elsewhere) that torch's sdpa makes from
-    a bool mask, made once per mask and dtype. sdpa converts a bool mask on every call and its
-    backward keeps that copy: one [B, 1, T, T] tensor per layer (32 MiB a layer at 4x2048 in
-    bf16, 1 GiB over 32 layers). Handed the same additive tensor, every layer keeps that one.
-    The values are the ones sdpa would make, so the attention computes the same thing."""
+    """The additive mask (0 where ``mask`` is True, -inf elsewhere) made from a bool mask once per
+    mask and dtype. sdpa converts a bool mask on every call and its backward keeps that copy:
+    one [B, 1, T, T] tensor per layer (32 MiB a layer at 4x2048 in bf16, 1 GiB over 32 layers).
+    Handed the same additive tensor, every layer keeps that one.
+
+    On every row that keeps at least one key the attention computes what it computes from the
+    bool mask (a masked score gets weight 0 either way). A fully masked row (a left-padding
+    query under some masks) is backend-defined: with -inf it comes out NaN or 0 as the kernel
+    decides, while cuDNN's sdpa fills a bool mask with -65504 rather than -inf, which attends
+    over every key there. The model discards those rows' outputs.
+
+    The made mask is reused while the bool mask's version counter is unchanged, so a write
+    that bypasses the counter (through ``.data`` or a DLPack view) is not seen."""
     entry = _ADDITIVE.get(id(mask))
     if entry is not None and entry[0]() is mask and entry[1:3] == (mask._version, dtype):
         return entry[3]
@@ -175,26 +193,29 @@ def _family(cls: type) -> tuple:
 QKV_PROJECTIONS = "kernels_qkv_projections"
 
 
-def fallback_reason(module, hidden_states, position_embeddings, cache, kwargs) -> str | None:
-    """Why this call must run the module's own forward (None: the fused path serves it)."""
-    if cache is not None or kwargs.get("past_key_values") is not None:
-        return "a KV cache is passed"
+def fused_serves(module, hidden_states, position_embeddings, cache) -> bool:
+    """Whether the fused path serves this call; the module's own forward runs where it does not:
+    a cache already holding this layer's tokens (decoding), torch.compile (Dynamo traces the
+    family's forward and its rope custom op), or inputs not [B, T, hidden] with (cos, sin) of
+    [B, T, even rotary dims <= head_dim]. Each of these is expected, so none is reported."""
     if torch.compiler.is_compiling():
-        return "under torch.compile (the family's forward runs the rope custom op)"
+        return False
+    if cache is not None and cache.get_seq_length(module.layer_idx) > 0:
+        return False
     if hidden_states.dim() != 3 or not isinstance(position_embeddings, (tuple, list)):
-        return "not [B, T, hidden] with (cos, sin)"
+        return False
     cos = position_embeddings[0]
-    if cos.dim() != 3 or cos.shape[-1] % 2 or cos.shape[-1] > module.head_dim:
-        return "cos is not [B, T, even rotary dims <= head_dim]"
-    return None
+    return cos.dim() == 3 and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= module.head_dim
 
 
 def qkv_attention(module, hidden_states, position_embeddings, attention_mask, cache, kwargs):
     """The family's attention forward with the split and rotation fused (see the docstring);
-    the family's own forward where ``fallback_reason`` says so. Returns (output, weights)."""
+    the family's own forward where ``fused_serves`` says no. Returns (output, weights)."""
     own, interfaces, eager = _family(type(module))
-    if fallback_reason(module, hidden_states, position_embeddings, cache, kwargs):
-        # a cache under the family's own parameter name (past_key_values) is in kwargs
+    if cache is None:
+        # the name the decoder layers passed the cache under before transformers renamed it
+        cache = kwargs.pop("past_key_values", None)
+    if not fused_serves(module, hidden_states, position_embeddings, cache):
         args = (hidden_states, position_embeddings, attention_mask)
         if cache is not None:
             args += (cache,)
@@ -206,13 +227,19 @@ def qkv_attention(module, hidden_states, position_embeddings, attention_mask, ca
     kv_heads = (qkv_proj.weight.shape[0] - heads * head_dim) // (2 * head_dim)
     input_shape = hidden_states.shape[:-1]
     cos, sin = position_embeddings
-    q, k, v = split_qkv_rope(qkv_proj(hidden_states), cos, sin, heads, kv_heads, head_dim)
+    q, k, v = (
+        t.transpose(1, 2)
+        for t in split_qkv_rope(qkv_proj(hidden_states), cos, sin, heads, kv_heads, head_dim)
+    )
+    if cache is not None:
+        # as the family's forward does: [B, H, T, D] in, the keys and values to attend to out
+        k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)
     attention = interfaces.get_interface(module.config._attn_implementation, eager)
     out, weights = attention(
         module,
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
+        q,
+        k,
+        v,
         _sdpa_mask(module, attention_mask, q.dtype),
         dropout=0.0 if not module.training else module.attention_dropout,
         scaling=module.scaling,
