@@ -6,14 +6,13 @@ Run in its own pytest process (tests/kernels switches Triton to its CPU interpre
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu.variant import load_variant, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,9 +23,6 @@ pytestmark = [
     ),
 ]
 
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
 
 # (family, experts, top-k, hidden, intermediate, tokens): Qwen3-30B-A3B's experts, and
 # Mixtral-8x7B's with the intermediate size cut to a quarter to keep the fp32 reference small.
@@ -39,21 +35,7 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def kt():
-    name = "_kernels_training_moe_gpu_test"
-    spec = importlib.util.spec_from_file_location(
-        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def rel_err(out, ref) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out - ref).norm() / ref.norm()).item()
+    return load_variant("_kernels_training_moe_gpu_test")
 
 
 def experts(family: str, e: int, k: int, h: int, i: int, dtype):

@@ -9,16 +9,14 @@ Run in its own pytest process (tests/kernels switches Triton to its CPU interpre
 
 from __future__ import annotations
 
-import importlib.util
-import math
 import os
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.gpu.variant import load_variant, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,23 +27,13 @@ pytestmark = [
     ),
 ]
 
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
 MODES = ["llama", "gemma", "none"]
 IGNORE = -100
 
 
 @pytest.fixture(scope="module")
 def kt():
-    name = "_kernels_training_options_gpu_test"
-    spec = importlib.util.spec_from_file_location(
-        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_variant("_kernels_training_options_gpu_test")
 
 
 @pytest.fixture(autouse=True)
@@ -53,13 +41,6 @@ def _seed(request):
     seed = int(os.environ.get("KERNEL_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
     torch.manual_seed(seed)
     print(f"seed={seed}")
-
-
-def rel_err(out, ref) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def check(out, ref, tol, what):

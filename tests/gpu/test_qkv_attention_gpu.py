@@ -9,44 +9,26 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.gpu.launches import TritonLaunches
+from tests.gpu.variant import load_variant
+from tests.gpu.variant import rel_err as _rel
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
 B, T, HIDDEN, HEADS = 2, 2048, 3072, 32
 
 
 @pytest.fixture(scope="module")
 def kt():
-    name = "_kernels_training_qkv_gpu_test"
-    spec = importlib.util.spec_from_file_location(
-        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _rel(out, ref) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out - ref).norm() / ref.norm()).item()
+    return load_variant("_kernels_training_qkv_gpu_test")
 
 
 def _attention(dtype, rotary: float = 1.0):

@@ -6,45 +6,25 @@ own pytest process (see conftest.py): ``python -m pytest tests/gpu/test_relu2_gp
 
 from __future__ import annotations
 
-import importlib.util
-import math
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.gpu.launches import TritonLaunches
+from tests.gpu.variant import load_variant, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(scope="module")
 def kt():
-    name = "_kernels_training_relu2_gpu_test"
-    spec = importlib.util.spec_from_file_location(
-        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def rel_err(out, ref) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out - ref).norm() / ref.norm()).item()
+    return load_variant("_kernels_training_relu2_gpu_test")
 
 
 def check(out, ref, dtype, what, factor=1.0):

@@ -6,21 +6,17 @@ pytest process: python -m pytest tests/gpu."""
 from __future__ import annotations
 
 import gc
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu.variant import load_variant
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
 B, T, HQ, HK, D = 8, 2048, 32, 8, 128
 DT = torch.bfloat16
 MIB = 2**20
@@ -28,14 +24,7 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def kt():
-    name = "_kernels_training_rope_memory_gpu_test"
-    spec = importlib.util.spec_from_file_location(
-        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_variant("_kernels_training_rope_memory_gpu_test")
 
 
 def _inputs(seed: int = 0):

@@ -8,41 +8,29 @@ geometry the test meant, on the device. Tolerances per dtype against float64: fp
 
 from __future__ import annotations
 
-import importlib.util
-import math
 import os
 import sys
 import types
 import warnings
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.gpu.launches import TritonLaunches
+from tests.gpu.variant import load_variant, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
 def kt():
-    name = "_kernels_training_gpu_test"
-    spec = importlib.util.spec_from_file_location(
-        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_variant("_kernels_training_gpu_test")
 
 
 @pytest.fixture(autouse=True)
@@ -50,13 +38,6 @@ def _seed(request):
     seed = int(os.environ.get("KERNEL_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
     torch.manual_seed(seed)
     print(f"seed={seed}")
-
-
-def rel_err(out, ref) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
