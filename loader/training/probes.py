@@ -213,13 +213,7 @@ def probe_mlp(module: nn.Module, fused: bool, scaled: bool = False) -> bool:
     checkpoint's are."""
     hidden, inner = 8, 12
     gen = torch.Generator().manual_seed(2)
-    probe = copy.copy(module)
-    probe._modules = dict(module._modules)
-    probe._parameters = {}
-    probe._buffers = {}
-    probe._forward_hooks = type(module._forward_hooks)()
-    probe._forward_pre_hooks = type(module._forward_pre_hooks)()
-    probe.__dict__.pop("forward", None)  # an instance-bound kernel forward
+    probe = _probe_shell(module)
     if fused:
         probe._modules["gate_up_proj"] = _small_linear(module.gate_up_proj, hidden, 2 * inner, gen)
     else:
@@ -254,6 +248,16 @@ def _unhooked(module: nn.Module) -> nn.Module:
     return probe
 
 
+def _probe_shell(module: nn.Module) -> nn.Module:
+    """``_unhooked``, with the children in a dict of its own (the probe swaps some for small
+    Linears without touching the module) and no parameters or buffers of its own."""
+    probe = _unhooked(module)
+    probe._modules = dict(module._modules)
+    probe._parameters = {}
+    probe._buffers = {}
+    return probe
+
+
 def computes_relu_squared(act: nn.Module) -> bool:
     """Whether a parameter-free module computes relu(x)^2 (transformers' ReLUSquaredActivation,
     Primer's squared ReLU), whatever its class is called: run on values of both signs and 0."""
@@ -274,13 +278,7 @@ def probe_plain_mlp(module: nn.Module, first: str, second: str) -> bool:
     shallow copy whose two projections are small random Linears (as probe_mlp does)."""
     hidden, inner = 8, 12
     gen = torch.Generator().manual_seed(5)
-    probe = copy.copy(module)
-    probe._modules = dict(module._modules)
-    probe._parameters = {}
-    probe._buffers = {}
-    probe._forward_hooks = type(module._forward_hooks)()
-    probe._forward_pre_hooks = type(module._forward_pre_hooks)()
-    probe.__dict__.pop("forward", None)  # an instance-bound kernel forward
+    probe = _probe_shell(module)
     probe._modules[first] = _small_linear(module._modules[first], hidden, inner, gen)
     probe._modules[second] = _small_linear(module._modules[second], inner, hidden, gen)
     for name in ACT_ATTRS:
@@ -489,13 +487,7 @@ def probe_qkv_attention(module: nn.Module, qkv_name: str, out_name: str) -> str:
     head_dim, the model width cut to 8 (small random projections), eager attention, no mask."""
     hidden = 8
     gen = torch.Generator().manual_seed(6)
-    probe = copy.copy(module)
-    probe._modules = dict(module._modules)
-    probe._parameters = {}
-    probe._buffers = {}
-    probe._forward_hooks = type(module._forward_hooks)()
-    probe._forward_pre_hooks = type(module._forward_pre_hooks)()
-    probe.__dict__.pop("forward", None)  # an instance-bound kernel forward
+    probe = _probe_shell(module)
     probe.training = False  # no dropout
     width, q_width = (
         module._modules[qkv_name].weight.shape[0],
