@@ -119,7 +119,13 @@ def _chunked(
         default_chunk_rows(n, vocab, hidden.element_size()),
         row_cap(hidden.shape[1], vocab, hidden.element_size()),
     )
-    buf = torch.empty(min(rows, n), vocab, dtype=hidden.dtype, device=hidden.device)
+    # Rows padded to a multiple of 64 elements: with an odd row length (GPT-2's 50257) no row of
+    # the chunk starts 16-byte aligned, and cuBLAS's three matmuls on it ran 5x slower (H200,
+    # N8192 H2048: 40.7 ms against 8.1 for torch.compile). The chunk is a [rows, V] view.
+    padded = torch.empty(
+        min(rows, n), -(-vocab // 64) * 64, dtype=hidden.dtype, device=hidden.device
+    )
+    buf = padded[:, :vocab]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     dx = torch.empty_like(hidden) if need_x else None
     # accum_fp32: d(weight) summed in fp32 over chunks (each chunk's product rounded once, then
@@ -180,8 +186,8 @@ def _chunked(
             p = torch.where(keep, torch.exp(zy - lse), 0.0)
             factor[r0:r1] = p
             loss[r0:r1] *= p
-            if write_grad:
-                scale_rows_(logits, p)
+            if write_grad:  # on whole padded rows: the scale kernel takes contiguous rows
+                scale_rows_(padded[: r1 - r0], p)
         if need_x:
             torch.mm(logits, weight, out=dx[r0:r1])
         if need_w:
