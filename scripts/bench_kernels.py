@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, help="folder for kernels.json / kernels.md / kernels.png"
     )
     parser.add_argument("--small", action="store_true", help="only the small, launch-bound shapes")
+    parser.add_argument(
+        "--shapes",
+        default="",
+        help="comma-separated substrings: only the cases whose shape contains one, e.g. V50257",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -156,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
     else:
         cases, notes = collect(args.small, ops)
+    shapes = [p.strip() for p in args.shapes.split(",") if p.strip()]
+    if shapes:
+        cases = [c for c in cases if any(p in c.shape for p in shapes)]
+        notes.append(f"shapes containing {', '.join(shapes)}")
     env = environment()
     ceil = measure_ceilings()
     header = " ".join(f"{k} {v};" for k, v in env.items())

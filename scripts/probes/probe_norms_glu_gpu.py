@@ -173,8 +173,8 @@ def candidate_geometries(rn, m: int, n: int, explore: bool = False) -> list[tupl
     block_n = rn.next_pow2(n)
     m_pow2 = rn.next_pow2(m)
 
-    def cfg(tile, warps, prefetch=False, acc_2d=False, reload=0, stages=1):
-        return rn._geometry(block_n, m_pow2, tile, warps, 1, prefetch, acc_2d, reload, stages)
+    def cfg(tile, warps, prefetch=False, acc_2d=False, reload=0, stages=1, per_sm=1):
+        return rn._geometry(block_n, m_pow2, tile, warps, per_sm, prefetch, acc_2d, reload, stages)
 
     out = [("shipped", c) for c in rn.bwd_candidates(m, n)]
     if not explore:
@@ -186,6 +186,10 @@ def candidate_geometries(rn, m: int, n: int, explore: bool = False) -> list[tupl
             cfg(block_n * bm, w, p) for bm in (1, 2, 4) for w in (8, 16) for p in (False, True)
         ]
         extra += [cfg(block_n * bm, w, stages=s) for bm in (1, 2) for w in (8, 16) for s in (2, 3)]
+        # more programs per SM (more rows in flight; dW partials grow by a row per SM each)
+        extra += [cfg(block_n * bm, w, p, per_sm=k) for bm in (4, 8, 16) for w in (4, 8)
+                  for p in (False, True) for k in (2, 4)]  # fmt: skip
+        extra += [cfg(block_n * bm, 16, per_sm=1) for bm in (32, 64)]
     else:  # one or two rows per iteration: warps x RELOAD x STAGES, and register prefetch
         warps = (8, 16, 32) if block_n <= 8192 else (16, 32)  # 8 warps spill at 16384
         extra = [cfg(block_n, w, reload=r, stages=s) for w in warps
@@ -252,9 +256,9 @@ def cand_shape(rn, m: int, n: int, explore: bool) -> list[dict]:
     return rows
 
 
-def cand(kt, explore: bool) -> list[dict]:
+def cand(kt, explore: bool, shapes: list[tuple[int, int]] | None = None) -> list[dict]:
     rows = []
-    for m, n in CAND_SHAPES:
+    for m, n in shapes or CAND_SHAPES:
         log(f"cand RMSNorm backward {m}x{n}")
         rows += cand_shape(importlib.import_module(f"{kt.__name__}.rms_norm"), m, n, explore)
         torch.cuda.empty_cache()
@@ -393,7 +397,14 @@ def main() -> None:
     parser.add_argument(
         "--explore", action="store_true", help="cand: also geometries in no list (slower)"
     )
+    parser.add_argument(
+        "--shapes", default="", help="cand: these MxN shapes (e.g. 65536x1024) instead of its own"
+    )
     args = parser.parse_args()
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    except ValueError:
+        parser.error(f"--shapes: comma-separated MxN, e.g. 65536x1024; got {args.shapes}")
     parts = set(args.part.split(","))
     if not parts <= {"all", "cand", "e2e", "glu"}:
         parser.error(f"--part: all, or a comma-separated list of cand, e2e, glu; got {args.part}")
@@ -404,7 +415,7 @@ def main() -> None:
     t0 = time.perf_counter()
     print(f"# probe_norms_glu_gpu ({torch.cuda.get_device_name()}, torch {torch.__version__})")
     sections = [
-        ("cand", "RMSNorm backward geometries", lambda: cand_table(cand(kt, args.explore))),
+        ("cand", "RMSNorm backward geometries", lambda: cand_table(cand(kt, args.explore, shapes))),
         ("e2e", "Norms, fwd+bwd", lambda: table(e2e(kt), ("check",))),
         ("glu", "Gated MLP", lambda: table(glu(kt), ("check",))),
     ]
