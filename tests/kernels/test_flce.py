@@ -9,6 +9,7 @@ import pytest
 import torch
 from _training_refs import rel_err
 from cross_entropy_variants import ce_variant  # noqa: F401 - a fixture
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +270,22 @@ def test_chunks_write_loss_in_place(fl, monkeypatch, want_lse):
     assert len({s.untyped_storage().data_ptr() for s in lse_slices}) == 1
 
 
+class MatmulShapes(TorchDispatchMode):
+    """Records the dimensions of every mm / addmm operand run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dims: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out,
+                    torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):  # fmt: skip
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() == 2:
+                    self.dims.update(a.shape)
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("vocab", [1000, 1024])
 def test_chunk_rows_start_aligned_for_any_vocabulary(fl, monkeypatch, vocab):
     """The chunk's logits rows start 64-element aligned whatever V is (an odd V made cuBLAS's
@@ -283,7 +300,13 @@ def test_chunk_rows_start_aligned_for_any_vocabulary(fl, monkeypatch, vocab):
     monkeypatch.setattr(fl, "ce_rows", recording)
     hidden, weight, _, target = make_inputs(30, 16, vocab, torch.float32)
     hl, wl = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    fl.fused_linear_cross_entropy(hl, wl, target, chunk_rows=10).backward()
+    with MatmulShapes() as seen:
+        fl.fused_linear_cross_entropy(hl, wl, target, chunk_rows=10).backward()
+    # every vocabulary-sized matmul dimension is the aligned bulk or the < 64 remainder
+    if vocab % 64:
+        assert vocab not in seen.dims and {vocab // 64 * 64, vocab % 64} <= seen.dims
+    else:
+        assert vocab in seen.dims
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     torch.nn.functional.cross_entropy(h64 @ w64.t(), target).backward()
     assert rel_err(hl.grad, h64.grad) < 1e-5 and rel_err(wl.grad, w64.grad) < 1e-5

@@ -119,13 +119,17 @@ def _chunked(
         default_chunk_rows(n, vocab, hidden.element_size()),
         row_cap(hidden.shape[1], vocab, hidden.element_size()),
     )
-    # Rows padded to a multiple of 64 elements: with an odd row length (GPT-2's 50257) no row of
-    # the chunk starts 16-byte aligned, and cuBLAS's three matmuls on it ran 5x slower (H200,
-    # N8192 H2048: 40.7 ms against 8.1 for torch.compile). The chunk is a [rows, V] view.
+    # An odd vocabulary (GPT-2's 50257) made cuBLAS's three matmuls 5x slower (H200, N8192
+    # H2048: 40.7 ms against 8.1 for torch.compile, which pads): every vocabulary-sized dimension
+    # and row stride of theirs was odd. Now the chunk's rows are padded to 64 elements (the chunk
+    # is a [rows, V] view) and each matmul is split at the last multiple of 64 below V: an
+    # aligned bulk, and a remainder of < 64 vocabulary rows. Nothing is copied.
     padded = torch.empty(
         min(rows, n), -(-vocab // 64) * 64, dtype=hidden.dtype, device=hidden.device
     )
     buf = padded[:, :vocab]
+    bulk = vocab - vocab % 64
+    cols = [slice(0, bulk), slice(bulk, vocab)] if 0 < bulk < vocab else [slice(0, vocab)]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     dx = torch.empty_like(hidden) if need_x else None
     # accum_fp32: d(weight) summed in fp32 over chunks (each chunk's product rounded once, then
@@ -153,10 +157,11 @@ def _chunked(
         r1 = min(n, r0 + rows)
         x = hidden[r0:r1]
         logits = buf[: r1 - r0]
-        if bias is None:
-            torch.mm(x, wt, out=logits)
-        else:
-            torch.addmm(bias, x, wt, out=logits)
+        for c in cols:
+            if bias is None:
+                torch.mm(x, wt[:, c], out=logits[:, c])
+            else:
+                torch.addmm(bias[c], x, wt[:, c], out=logits[:, c])
         t = target[r0:r1]
         if opts.token_scaling:  # the target logits, read before the kernel overwrites them
             keep = (t != opts.ignore_index) & (t >= 0) & (t < vocab)
@@ -189,19 +194,22 @@ def _chunked(
             if write_grad:  # on whole padded rows: the scale kernel takes contiguous rows
                 scale_rows_(padded[: r1 - r0], p)
         if need_x:
-            torch.mm(logits, weight, out=dx[r0:r1])
+            torch.mm(logits[:, cols[0]], weight[cols[0]], out=dx[r0:r1])
+            for c in cols[1:]:
+                dx[r0:r1].addmm_(logits[:, c], weight[c])
         if need_w:
-            if opts.accum_fp32:
-                product = logits.t() @ x
-                if r0 == 0:
-                    dw.copy_(product)
+            for c in cols:
+                if opts.accum_fp32:
+                    product = logits[:, c].t() @ x
+                    if r0 == 0:
+                        dw[c].copy_(product)
+                    else:
+                        dw[c].add_(product)
+                    del product
+                elif r0 == 0:
+                    torch.mm(logits[:, c].t(), x, out=dw[c])
                 else:
-                    dw.add_(product)
-                del product
-            elif r0 == 0:
-                torch.mm(logits.t(), x, out=dw)
-            else:
-                dw.addmm_(logits.t(), x)
+                    dw[c].addmm_(logits[:, c].t(), x)
         if need_b:
             db += logits.sum(0, dtype=torch.float32)
     if dw is not None and dw.dtype != weight.dtype:
