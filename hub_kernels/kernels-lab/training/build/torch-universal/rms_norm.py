@@ -302,9 +302,10 @@ def bwd_candidates(m: int, n: int, dw: bool = True, row_bytes: int = 4) -> list[
 
     Each is rows per program-iteration (BLOCK_M), warps, programs per SM, register prefetch of
     the next rows, per-row dW accumulation (ACC_2D), RELOAD and STAGES (see the kernel). With
-    `dw` (the weight's gradient is computed) every geometry runs one program per SM, so the fp32
-    dW partials are one row per SM, as Liger's; without it there are no partials and two
-    programs per SM are timed too (small batches gain from them). `row_bytes`, the bytes per
+    `dw` (the weight's gradient is computed) the geometries run one program per SM, so the fp32
+    dW partials are one row per SM, as Liger's, but for one with two per SM at widths up to 2048
+    and 16k+ rows; without `dw` there are no partials and two programs per SM are timed too
+    (small batches gain from them). `row_bytes`, the bytes per
     column of the row tensors read (dy, x and any ds: 4 for two bf16), drops the STAGES
     geometries whose shared-memory buffers would not fit (see `stage_bytes`).
     """
@@ -369,6 +370,12 @@ def _bwd_candidates(m_pow2: int, n: int, dw: bool, row_bytes: int) -> list[dict]
                 cfg(16384, 16, prefetch=True), cfg(block_n, 16), cfg(8192, 16, stages=2)]  # fmt: skip
     if not dw:  # no partials: two programs per SM cost no memory
         wide += [cfg(4096, 8, 2, True), cfg(4096, 4, 2)]
+    elif block_n <= 2048 and m_pow2 >= 16384:
+        # Many rows of 1-2k: one program per SM cannot keep enough rows in flight; two small
+        # programs per SM with register prefetch took the backward from 0.182 to 0.117 ms at
+        # 65536x1024 (0.64x, and 0.43 against 0.64 at 262144x1024; H200 probe), for one more
+        # row of fp32 dW partials per SM (0.5 MiB at width 1024).
+        wide += [cfg(4 * block_n, 4, 2, True)]
     # A geometry listed twice (tiles that clamp to one row) is timed once; fp32 rows at hidden
     # 16384 leave no room for the RELOAD + STAGES buffers.
     return [c for i, c in enumerate(wide)
