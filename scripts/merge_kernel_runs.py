@@ -6,6 +6,10 @@
 Files are given oldest first: a case (op, shape) in a later file replaces that case's rows from
 earlier ones. Each op is labelled with the run it came from (the file name up to its first
 '-'). Prints the markdown table of docs/benchmarks/kernels.md.
+
+``--sweep-out PREFIX`` instead writes PREFIX.json (the merged rows, with the environment and
+ceilings of the last file, and every file's date), PREFIX.md (bench_harness's table with device
+and wall time and the verdict column) and PREFIX.png, for a sweep run in several parts.
 """
 
 import argparse
@@ -14,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_harness import fmt, rate_cell  # noqa: E402
+from bench_harness import Ceilings, fmt, format_table, rate_cell  # noqa: E402
 from bench_kernels import plot  # noqa: E402
 
 OP_ORDER = ["RMSNorm", "AddRMSNorm", "LayerNorm", "RoPE", "SwiGLU", "SiLU", "GeGLU"]
@@ -66,8 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="bench_kernels JSON, oldest first")
     parser.add_argument("--plot", type=Path, help="write the merged plot here")
+    parser.add_argument("--sweep-out", type=Path, help="write PREFIX.json, .md and .png")
     args = parser.parse_args(argv)
     rows = merge(args.results)
+    if args.sweep_out:
+        runs = [json.loads(p.read_text()) for p in args.results]
+        last = runs[-1]
+        ceil = Ceilings(**last["ceilings"])
+        merged = {**last, "rows": rows, "dates": [r["env"]["date"] for r in runs]}
+        prefix = args.sweep_out
+        prefix.with_suffix(".json").write_text(json.dumps(merged, indent=1))
+        header = " ".join(f"{k} {v};" for k, v in last["env"].items() if k != "date")
+        dates = ", ".join(merged["dates"])
+        prefix.with_suffix(".md").write_text(
+            f"runs {dates}; {header}\n\n{format_table(rows, ceil)}\n"
+        )
+        try:
+            plot(rows, prefix.with_suffix(".png"))
+        except ImportError as exc:  # matplotlib is not a dependency of the package
+            print(f"no plot: {exc}", file=sys.stderr)
+        return 0
     if args.plot:
         plot(rows, args.plot)
     print(table(rows))
