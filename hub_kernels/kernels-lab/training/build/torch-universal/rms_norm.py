@@ -38,6 +38,7 @@ from ._common import (
     cached_config,
     cdiv,
     config_is_final,
+    contiguous_strides,
     fast_launch,
     next_pow2,
     op_name,
@@ -420,7 +421,7 @@ class _ForwardPlan:
     """What a forward call's key fixes: row count and strides, output dtype and shapes, the
     kernel's scalars; the config and the bound launch once its first call has chosen them."""
 
-    __slots__ = ("m", "n", "shape", "stats", "device", "y_dtype", "s_dtype", "x_rows", "r_rows",
+    __slots__ = ("m", "n", "shape", "strides", "stats", "stats_strides", "device", "y_dtype", "s_dtype", "x_rows", "r_rows",
                  "scalars", "mode", "has_w", "has_r", "launch", "final")  # fmt: skip
 
     def __init__(self, x, weight, eps, gemma, residual) -> None:
@@ -428,6 +429,10 @@ class _ForwardPlan:
         n = self.n = x.shape[-1]
         self.m = x.numel() // n if n else 0
         self.shape, self.stats, self.device = x.shape, x.shape[:-1], x.device
+        self.strides, self.stats_strides = (
+            contiguous_strides(x.shape),
+            contiguous_strides(x.shape[:-1]),
+        )
         self.y_dtype = out_dtype(x, weight, (offset, self.mode))
         self.s_dtype = x.dtype
         self.has_w, self.has_r = weight is not None, residual is not None
@@ -443,13 +448,17 @@ class _ForwardPlan:
         m, n = self.m, self.n
         x2 = x if self.x_rows is not None else as_rows(x, n)
         # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make.
-        y = torch.empty(self.shape, dtype=self.y_dtype, device=self.device)
-        rstd = torch.empty(self.stats, dtype=torch.float32, device=self.device)
+        y = torch.empty_strided(self.shape, self.strides, dtype=self.y_dtype, device=self.device)
+        rstd = torch.empty_strided(
+            self.stats, self.stats_strides, dtype=torch.float32, device=self.device
+        )
         if residual is None:
             r2, s = x2, None  # an unused stand-in without a residual
         else:
             r2 = residual if self.r_rows is not None else as_rows(residual, n)
-            s = torch.empty(self.shape, dtype=self.s_dtype, device=self.device)
+            s = torch.empty_strided(
+                self.shape, self.strides, dtype=self.s_dtype, device=self.device
+            )
         if m == 0:
             return y, rstd, s
         args = (x2, r2, x2 if weight is None else weight, y, y if s is None else s, rstd,
@@ -563,7 +572,7 @@ class _BackwardPlan:
     """What a backward call's key fixes (see `_ForwardPlan`): dx's buffer and dtype, row strides,
     the dW partials' shape and the column sum's launch; the config once chosen."""
 
-    __slots__ = ("m", "n", "shape", "device", "dx_dtype", "over_dy", "dy_rows", "x_rows",
+    __slots__ = ("m", "n", "shape", "strides", "device", "dx_dtype", "over_dy", "dy_rows", "x_rows",
                  "ds_rows", "mode", "offset", "compute_dw", "from_y", "has_w", "has_ds",
                  "row_bytes", "launch", "scalars", "part_shape", "colsum", "final")  # fmt: skip
 
@@ -571,7 +580,7 @@ class _BackwardPlan:
         self.offset, self.mode = numerics(gemma)
         n = self.n = x.shape[-1]
         self.m = x.numel() // n if n else 0
-        self.shape, self.device = x.shape, x.device
+        self.shape, self.strides, self.device = x.shape, contiguous_strides(x.shape), x.device
         self.dx_dtype = x_dtype or x.dtype
         self.over_dy = (
             in_place and dy.dtype == self.dx_dtype and dy.is_contiguous() and dy.shape == x.shape
@@ -592,7 +601,11 @@ class _BackwardPlan:
         dy2 = dy if self.dy_rows is not None else as_rows(dy, n)
         x2 = x if self.x_rows is not None else as_rows(x, n)
         dx = (
-            dy if self.over_dy else torch.empty(self.shape, dtype=self.dx_dtype, device=self.device)
+            dy
+            if self.over_dy
+            else torch.empty_strided(
+                self.shape, self.strides, dtype=self.dx_dtype, device=self.device
+            )
         )
         if m == 0:
             dw = torch.zeros_like(weight) if self.compute_dw else x.new_empty(0)
@@ -603,12 +616,14 @@ class _BackwardPlan:
         else:
             launch, scalars = self.launch, self.scalars
             part_shape, colsum = self.part_shape, self.colsum
-        part = torch.empty(part_shape, dtype=torch.float32, device=self.device)
+        part = torch.empty_strided(
+            part_shape, (part_shape[1], 1), dtype=torch.float32, device=self.device
+        )
         launch(dy2, x2, x2 if weight is None else weight, rstd, dx, part,
                dy2 if ds2 is None else ds2, *scalars)  # fmt: skip
         if not self.compute_dw:
-            return dx, x.new_empty(0)
-        dw = torch.empty(n, dtype=weight.dtype, device=self.device)
+            return dx, torch.empty_strided((0,), (1,), dtype=x.dtype, device=self.device)
+        dw = torch.empty_strided((n,), (1,), dtype=weight.dtype, device=self.device)
         colsum(part, dw, part_shape[0], n)
         return dx, dw
 
