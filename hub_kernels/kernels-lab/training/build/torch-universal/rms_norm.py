@@ -274,6 +274,7 @@ def column_sum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=256)  # asked per backward; a BoundLaunch is shared, never mutated
 def column_sum_launch(p: int, n: int, device: torch.device):
     """The bound launch of `_column_sum_kernel` over a [p, n] partial buffer: call it with
     (part, out, p, n)."""
