@@ -188,6 +188,9 @@ ROPE_CASES = {
     "layout": (2, 5, 4, 2, 16, "bhtd", torch.float32, 2),
     "unsqueeze_dim": (2, 5, 4, 2, 16, "unsqueeze 2", torch.float32, 2),
     "cos batch 1": (2, 5, 4, 2, 16, "bthd", torch.float32, 1),
+    # Heads == tokens: the same shape and strides read as [B, H, T, D], then as [B, T, H, D].
+    "square": (2, 4, 4, 4, 16, "bhtd", torch.float32, 2),
+    "square, unsqueeze_dim 2": (2, 4, 4, 4, 16, "unsqueeze 2", torch.float32, 2),
 }
 
 
