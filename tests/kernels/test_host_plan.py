@@ -214,3 +214,50 @@ def test_rope_plans_are_keyed_by_what_the_launch_derives_from(kv):
             assert_close(g, e, dtype, f"{name}: grad")
         # The forward and the backward (the inverse rotation) each have a plan.
         assert len(plans) >= before + 2, f"{name}: no plans of its own"
+
+
+GLU_CASES = {
+    # name: (a, b)
+    "base": lambda: (_leaf(6, 32), _leaf(6, 32)),
+    "rows": lambda: (_leaf(9, 32), _leaf(9, 32)),
+    "dtype": lambda: (_leaf(6, 32, dtype=torch.float16), _leaf(6, 32, dtype=torch.float16)),
+    "row stride": lambda: (_strided((6, 32), 40), _leaf(6, 32)),
+    "not one view": lambda: (_permuted((6, 2, 32)), _leaf(6, 2, 32)),
+}
+
+
+def test_glu_plans_are_keyed_by_what_the_launch_derives_from(kv):
+    swiglu = _module(kv, "swiglu")
+    fwd_plans, bwd_plans = swiglu._GLU_FORWARD_PLANS, swiglu._GLU_BACKWARD_PLANS
+    for name, make in GLU_CASES.items():
+        a, b = make()
+        before = len(fwd_plans), len(bwd_plans)
+        _check(
+            name,
+            kv.silu_mul,
+            lambda a, b: a / (1.0 + torch.exp(-a)) * b,
+            [a, b],
+            torch.randn(a.shape, dtype=a.dtype),
+            a.dtype,
+        )
+        assert len(fwd_plans) == before[0] + 1, f"{name}: no forward plan of its own"
+        assert len(bwd_plans) == before[1] + 1, f"{name}: no backward plan of its own"
+
+
+def test_glu_halves_backward_plan_is_keyed_by_its_outputs_layout(kv):
+    """The gated product of a fused gate_up's halves writes its gradient into the halves of one
+    buffer: other output strides than the plain product's, for the same a and b layouts."""
+    bwd_plans = _module(kv, "swiglu")._GLU_BACKWARD_PLANS
+    x = _leaf(6, 64)
+    kv.silu_mul(*(h.detach().requires_grad_() for h in x.chunk(2, -1))).sum().backward()
+    before = len(bwd_plans)
+    y = _module(kv, "swiglu").glu_halves(x, 0)
+    x64 = leaf64(x)
+    a64, b64 = x64.chunk(2, -1)
+    y64 = a64 / (1.0 + torch.exp(-a64)) * b64
+    assert_close(y, y64, torch.float32, "y")
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    assert_close(dx, dx64, torch.float32, "dx")
+    assert len(bwd_plans) == before + 1
