@@ -195,6 +195,10 @@ def test_bound_launch_replays_directly_and_falls_back_off_its_specialisation(sca
     bound(x[1:], y, 1000, 3, 2.0)  # 2 bytes off: another specialisation, compiled anew
     torch.testing.assert_close(y, (x[1:3001:3].float() * 2.0).to(x.dtype), rtol=0, atol=0)
     assert len(scaled_copy.compiled) == known + 1
+    xh, yh = x.half(), torch.zeros(1000, dtype=torch.half, device="cuda")
+    bound(xh, yh, 1000, 3, 2.0)  # aligned, another dtype: not the kept bf16 kernel
+    torch.testing.assert_close(yh, (xh[:3000:3].float() * 2.0).half(), rtol=0, atol=0)
+    assert len(scaled_copy.compiled) == known + 2
 
 
 def test_rms_norm_plans_launch_directly_after_the_first_call():

@@ -263,26 +263,27 @@ class BoundLaunch:
     """``kernel[grid](*args, **kwargs)`` with the grid and the keywords fixed, for an op's plan.
 
     Called as ``bound(*args)``. The plan that holds it fixes every scalar argument too (its key
-    holds the shapes, strides, dtypes and options they derive from, and the call passes the
-    plan's own values), so what Triton specialises on can change only with the tensors' 16-byte
+    holds the shapes, strides and options they derive from, and the call passes the plan's own
+    values), so what Triton specialises on can change only with the tensors' dtypes and 16-byte
     alignment and the current device: those are checked per call, and a call that matches the
     first aligned one goes straight to the compiled kernel's launcher, without building the
     FastLaunch key. Any other call goes through FastLaunch (which may still replay).
     """
 
-    __slots__ = ("fast", "grid", "kwargs", "g", "pointers", "ready")
+    __slots__ = ("fast", "grid", "kwargs", "g", "tensors", "ready")
 
     def __init__(self, fast: FastLaunch, grid: tuple, kwargs: dict) -> None:
         self.fast, self.grid, self.kwargs = fast, grid, kwargs
         self.g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        self.pointers: tuple[int, ...] = ()  # positions of the tensor arguments
+        self.tensors: tuple = ()  # (position, dtype) of each tensor argument
         self.ready: tuple | None = None  # (device, kernel, tail) once replayable
 
     def __call__(self, *args):
         ready = self.ready
         if ready is not None:
-            for i in self.pointers:
-                if args[i].data_ptr() & 15:
+            for i, dtype in self.tensors:
+                t = args[i]
+                if t.data_ptr() & 15 or t.dtype != dtype:
                     return self._through_fast_launch(args)
             runtime = triton.knobs.runtime
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
@@ -307,8 +308,8 @@ class BoundLaunch:
         fast = self.fast
         kernel = fast.launch(self.grid, args, self.kwargs)
         if self.ready is None and fast.enabled:
-            pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-            if all(args[i].data_ptr() % 16 == 0 for i in pointers):
+            tensors = tuple((i, a.dtype) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            if all(args[i].data_ptr() % 16 == 0 for i, _ in tensors):
                 device = torch._C._cuda_getDevice()
                 try:
                     key = (device, spec_key(args, fast.layouts), tuple(self.kwargs.items()))
@@ -316,7 +317,7 @@ class BoundLaunch:
                     return kernel
                 plan = fast.compiled.get(key)
                 if plan:
-                    self.pointers = pointers
+                    self.tensors = tensors
                     self.ready = (device, plan[0], plan[1])
         return kernel
 

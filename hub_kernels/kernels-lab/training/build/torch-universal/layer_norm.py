@@ -296,7 +296,7 @@ class _BackwardPlan:
         self.dy_rows, self.x_rows = rows_stride(dy, n), rows_stride(x, n)
         self.compute_dw, self.compute_db, self.has_w = compute_dw, compute_db, weight is not None
         self.row_bytes = dy.element_size() + x.element_size()
-        self.ready = None  # (launch, scalars, dW partials' shape, dB partials' shape, column sum)
+        self.ready = None  # (launch, scalars, dW and dB partials' shapes, their column sums)
         self.final = True
 
     def __call__(self, dy, x, weight, mean, rstd, cfg=None):
@@ -310,19 +310,19 @@ class _BackwardPlan:
         ready = self.ready
         if ready is None or cfg is not None:
             ready = self._choose(dy2, x2, weight, mean, rstd, dx, cfg)
-        launch, scalars, dw_shape, db_shape, colsum = ready
+        launch, scalars, dw_shape, db_shape, colsum_w, colsum_b = ready
         dw_part = torch.empty_strided(dw_shape, (dw_shape[1], 1), dtype=torch.float32, device=dev)
         db_part = torch.empty_strided(db_shape, (db_shape[1], 1), dtype=torch.float32, device=dev)
         launch(dy2, x2, weight, mean, rstd, dx, dw_part, db_part, *scalars)
         # Distinct empty tensors: a custom op's outputs may not alias each other.
         if self.compute_dw:
             dw = torch.empty_strided((n,), (1,), dtype=weight.dtype, device=dev)
-            colsum(dw_part, dw, dw_shape[0], n)
+            colsum_w(dw_part, dw, dw_shape[0], n)
         else:
             dw = torch.empty_strided((0,), (1,), dtype=self.dtype, device=dev)
         if self.compute_db:
             db = torch.empty_strided((n,), (1,), dtype=self.dy_dtype, device=dev)
-            colsum(db_part, db, db_shape[0], n)
+            colsum_b(db_part, db, db_shape[0], n)
         else:
             db = torch.empty_strided((0,), (1,), dtype=self.dtype, device=dev)
         return dx, dw, db
@@ -356,7 +356,9 @@ class _BackwardPlan:
             (m, n, sdy, sx, n, rows_per_program),
             (programs, n) if compute_dw else (1, 1),
             (programs, n) if compute_db else (1, 1),
-            column_sum_launch(programs, n, self.device),
+            # dW takes the weight's dtype, dB the gradient's: a column sum each.
+            column_sum_launch(programs, n, self.device, weight.dtype) if compute_dw else None,
+            column_sum_launch(programs, n, self.device, self.dy_dtype) if compute_db else None,
         )
         if keep:
             self.ready = ready

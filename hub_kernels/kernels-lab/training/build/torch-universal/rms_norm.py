@@ -270,14 +270,14 @@ def column_sum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Sum a [P, N] fp32 partial buffer over P into a new [N] tensor of `dtype`."""
     p, n = part.shape
     out = torch.empty(n, dtype=dtype, device=part.device)
-    column_sum_launch(p, n, part.device)(part, out, p, n)
+    column_sum_launch(p, n, part.device, dtype)(part, out, p, n)
     return out
 
 
 @functools.lru_cache(maxsize=256)  # asked per backward; a BoundLaunch is shared, never mutated
-def column_sum_launch(p: int, n: int, device: torch.device):
-    """The bound launch of `_column_sum_kernel` over a [p, n] partial buffer: call it with
-    (part, out, p, n)."""
+def column_sum_launch(p: int, n: int, device: torch.device, dtype: torch.dtype):
+    """The bound launch of `_column_sum_kernel` over a [p, n] partial buffer into an [n] tensor
+    of `dtype`: call it with (part, out, p, n)."""
     # Narrow column blocks: enough programs to spread the read over the SMs.
     block_n = max(16, min(256, next_pow2(n // (2 * sm_count(device)))))
     return _column_sum_kernel.bound((cdiv(n, block_n),), {"BLOCK_P": 64, "BLOCK_N": block_n})
@@ -666,7 +666,9 @@ class _BackwardPlan:
         sds = sdy if ds2 is None else (n if self.ds_rows is None else self.ds_rows)
         scalars = (m, n, sdy, sx, n, sds, rows_per_program, self.offset)
         part_shape = (programs, n) if self.compute_dw else (1, 1)
-        colsum = column_sum_launch(programs, n, self.device) if self.compute_dw else None
+        colsum = None
+        if self.compute_dw:
+            colsum = column_sum_launch(programs, n, self.device, weight.dtype)
         if keep:
             self.launch, self.scalars = launch, scalars
             self.part_shape, self.colsum = part_shape, colsum
