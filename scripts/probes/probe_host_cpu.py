@@ -13,8 +13,10 @@ forward and ``torch.autograd.grad``, with CPU tensors standing in for CUDA ones:
   what is timed, not the launch (~6 µs per launch on the H200 host) nor the kernel;
 - the two CUDA calls the fast path makes (current device, current raw stream) return 0;
 - other Triton launches (kernels without `fast_launch`) are no-ops too;
-- TRITON_INTERPRET=1 sends CPU tensors down the Triton paths; where the code asks "CUDA or
-  interpreter?" the interpreter's branch runs (the config picker returns the default untimed).
+- TRITON_INTERPRET=1 sends CPU tensors down the Triton paths (`interpreting()` answers True
+  without reading the environment, as `use_triton` costs a CUDA tensor one `is_cuda`); where
+  the code asks "CUDA or interpreter?" the interpreter's branch runs (the config picker returns
+  the default untimed, the RoPE halves check lands at once).
 
 So the numbers are our per-call Python on THIS machine's CPU, which differs from the H200
 machine's (that one is slower: a no-op autograd.Function costs ~82 µs per fwd+bwd there). Use
@@ -110,6 +112,9 @@ class _StubJit:
 def stub_fast_launches(kt: types.ModuleType) -> int:
     """Enable every fast_launch kernel of the loaded variant `kt` over a stub JIT; how many."""
     common = sys.modules[kt.__name__ + "._common"]
+    # A CUDA tensor answers use_triton() from is_cuda alone; here it would read the environment
+    # on every call: the interpreter is on for the whole process, so answer that directly.
+    common.interpreting = lambda: True
     count = 0
     for name, mod in list(sys.modules.items()):
         if not (name == kt.__name__ or name.startswith(kt.__name__ + ".")):

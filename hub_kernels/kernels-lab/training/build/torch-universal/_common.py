@@ -288,7 +288,11 @@ class BoundLaunch:
             runtime = triton.knobs.runtime
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
             device = torch._C._cuda_getDevice()  # what Triton launches on: the current device
-            if device == ready[0] and not (_hooked(enter) or _hooked(leave)):
+            # _hooked(enter) or _hooked(leave), without two calls per launch
+            hooked = (enter is not None and getattr(enter, "calls", True)) or (
+                leave is not None and getattr(leave, "calls", True)
+            )
+            if device == ready[0] and not hooked:
                 kernel, tail = ready[1], ready[2]
                 g = self.g
                 stream = torch._C._cuda_getCurrentRawStream(device)
