@@ -18,6 +18,8 @@ its backward writes d(gate_up) over gate_up itself, one tensor, so nothing downs
 concatenate two half gradients into a new buffer either.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -341,11 +343,21 @@ def _act_forward_any(x, act):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     numel = y.numel()
     if numel:
-        cfg = elementwise_config(numel)
-        _act_fwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
-            flat(x), y, numel, ACT=act, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"]
-        )
+        _act_launch(numel, act, None)(flat(x), y, numel)
     return y
+
+
+@functools.lru_cache(maxsize=256)  # asked per call; a BoundLaunch is shared, never mutated
+def _act_launch(numel: int, act: int, write_y: bool | None):
+    """The bound launch of the activation's forward (`write_y` None) or backward kernel over
+    `numel` elements: everything but the tensors and numel is fixed by these three."""
+    cfg = elementwise_config(numel)
+    grid, kwargs = (cdiv(numel, cfg["BLOCK"]),), {"ACT": act, "BLOCK": cfg["BLOCK"]}
+    if write_y is None:
+        return _act_fwd_kernel.bound(grid, {**kwargs, "num_warps": cfg["num_warps"]})
+    return _act_bwd_kernel.bound(
+        grid, {**kwargs, "WRITE_Y": write_y, "num_warps": cfg["num_warps"]}
+    )
 
 
 def _act_backward_any(dy, x, act, out=None, product=None):
@@ -362,12 +374,10 @@ def _act_backward_any(dy, x, act, out=None, product=None):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     numel = dx.numel()
     if numel:
-        cfg = elementwise_config(numel)
         dy1 = flat(dy)
-        _act_bwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
-            dy1, flat(x), dx, dy1 if product is None else product, numel, ACT=act,
-            WRITE_Y=product is not None, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
-        )  # fmt: skip
+        _act_launch(numel, act, product is not None)(
+            dy1, flat(x), dx, dy1 if product is None else product, numel
+        )
     return dx
 
 
