@@ -309,7 +309,8 @@ class _RotatePlan:
     None, a device flag), the config and the bound launch once chosen."""
 
     __slots__ = ("ud", "backward", "empty", "qo_strides", "ko_strides", "copy", "scalars",
-                 "constexprs", "tune_key", "candidates", "n_tokens", "launches", "first")  # fmt: skip
+                 "constexprs", "tune_key", "candidates", "n_tokens", "launches",
+                 "first")  # fmt: skip
 
     def __init__(self, q, k, cos, sin, unsqueeze_dim, backward, out) -> None:
         self.ud, self.backward = unsqueeze_dim, backward

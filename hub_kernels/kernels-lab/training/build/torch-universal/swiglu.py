@@ -237,7 +237,8 @@ def glu_backward(dc, a, b, act, cfg=None, out=None, product=None):
 
 class _GLUBackwardPlan:
     __slots__ = ("n", "a_shape", "b_shape", "a_strides", "b_strides", "a_dtype", "b_dtype",
-                 "device", "a_rows", "b_rows", "dc_flat", "bad_product", "args", "launch")  # fmt: skip
+                 "device", "a_rows", "b_rows", "dc_flat", "bad_product", "args",
+                 "launch")  # fmt: skip
 
     def __init__(self, dc, a, b, act, cfg, out, product) -> None:
         a2, b2, n, contig = _glu_rows(a, b)
