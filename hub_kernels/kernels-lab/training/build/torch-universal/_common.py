@@ -283,7 +283,7 @@ class BoundLaunch:
         if ready is not None:
             for i, dtype in self.tensors:
                 t = args[i]
-                if t.data_ptr() & 15 or t.dtype != dtype:
+                if t.data_ptr() & 15 or t.dtype is not dtype:  # dtypes are singletons
                     return self._through_fast_launch(args)
             runtime = triton.knobs.runtime
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
