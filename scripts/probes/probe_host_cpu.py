@@ -163,6 +163,21 @@ class Inputs:
         self.target = torch.randint(0, vocab, (b * t,))
 
 
+class _Floor(torch.autograd.Function):
+    """What any Python autograd.Function costs: an RMSNorm's saves and allocations, no work."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, numer):
+        ctx.save_for_backward(x, weight)
+        ctx.numer = numer
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight), None, None
+
+
 def _grad(outs, leaves, grads):
     return lambda: torch.autograd.grad(outs(), leaves, grads)
 
@@ -179,6 +194,9 @@ def cases(kt: types.ModuleType, i: Inputs) -> dict:
     rotary = types.MethodType(layers.rotary_pos_emb.forward, nn.Module())
     return {
         "autograd add (yardstick)": _grad(lambda: (x + r,), (x, r), (g,)),
+        "no-op autograd.Function (floor)": _grad(
+            lambda: (_Floor.apply(x, norm.weight, 1e-6, (0.0, 0)),), (x, norm.weight), (g,)
+        ),
         "rms_norm": _grad(lambda: (rms(x),), (x, norm.weight), (g,)),
         "fused add + rms_norm": _grad(lambda: add_rms(x, r), (x, r, norm.weight), (g, g)),
         "layer_norm": _grad(lambda: (layer_norm(x),), (x, ln.weight, ln.bias), (g,)),
@@ -272,7 +290,7 @@ def main() -> int:
     names = list(impls["this tree"])
     if args.ops:
         wanted = set(args.ops.split(","))
-        names = [n for n in names if n in wanted or n.startswith("autograd")]
+        names = [n for n in names if n in wanted or n.startswith(("autograd", "no-op"))]
 
     times: dict[tuple[str, str], list[float]] = {}
     for name in names:
@@ -310,7 +328,7 @@ def main() -> int:
 
     if args.profile:
         for name in names:
-            if name.startswith("autograd"):
+            if name.startswith(("autograd", "no-op")):
                 continue
             print(f"\n== cProfile, this tree: {name} (launches stubbed) ", end="")
             print(profile_text(impls["this tree"][name], calls=args.calls))
