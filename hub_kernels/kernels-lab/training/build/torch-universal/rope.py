@@ -361,9 +361,8 @@ class _RotatePlan:
             ko = torch.empty_strided(k.shape, self.ko_strides, dtype=k.dtype, device=k.device)
         if self.empty:
             return qo, ko
-        if (
-            repeats is _ASK
-        ):  # asked of the caller's tensors: a copy made below would be new each call
+        # Asked of the caller's tensors: a copy made below would be new each call.
+        if repeats is _ASK:
             repeats = halves_repeat(cos, sin)
         copy_q, copy_k, copy_c, copy_s = self.copy
         # The kernel takes base pointers and strides: q itself stands for its [B, H, T, D] view.
@@ -416,7 +415,7 @@ class _RotatePlan:
                         scratch.extend((qs, ks, qs.stride()[:3], ks.stride()[:3]))
                     launch(c, *scratch)
 
-            key = (*self.tune_key, kind if kind == "flag" else bool(kind))
+            key = (*self.tune_key, kind)
             cfg = pick_config(key, self.candidates, tune, cold=q.device)
             keep = config_is_final(key, self.candidates)
         bound = _rope_kernel.bound(grid_of(cfg), self._kwargs(cfg, kind))
