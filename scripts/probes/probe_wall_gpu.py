@@ -2,7 +2,9 @@
 
     python scripts/probes/probe_wall_gpu.py
 
-For RMSNorm (4096x1024 and 1024x4096), RoPE (anchor) and silu_mul, bf16, prints:
+For RMSNorm (4096x1024 and 1024x4096, the function and the layer bound on a LlamaRMSNorm as a
+kernelized model calls it; 16384x4096, the anchor), fused add + RMSNorm, LayerNorm, RoPE (anchor),
+silu_mul / gelu_mul (in place, as the MLP layers call them) and cross-entropy, bf16, prints:
 - do_bench wall time of fwd+bwd (L2 flushed, nothing queued ahead) for F.rms_norm / ours, with
   the autograd engine's device threads on and off;
 - host microseconds per call (a loop of calls, one sync at the end);
@@ -91,6 +93,73 @@ def profile(fn, calls=300, top=22):
     return s.getvalue()
 
 
+def more_cases(kt) -> dict:
+    """The other ops' eager paths, as a kernelized model calls them (the layers' forwards bound
+    on transformers modules; in place where the MLP layers pass it), with torch's op beside."""
+    import types
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    def leaf(*shape, dtype=DT):
+        return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_()
+
+    cases = {}
+    m, n = 4096, 1024
+    norm = LlamaRMSNorm(n, eps=1e-6).to("cuda", DT)
+    x, r, g = leaf(m, n), leaf(m, n), torch.randn(m, n, device="cuda", dtype=DT)
+    layer = types.MethodType(kt.layers.RMSNorm.forward, norm)
+    cases[f"ours RMSNorm layer {m}x{n}"] = (lambda: layer(x), [x, norm.weight], (g,))
+    add_layer = types.MethodType(kt.layers.FusedAddRMSNorm.forward, norm)
+    cases[f"ours fused add+RMSNorm layer {m}x{n}"] = (
+        lambda: add_layer(x, r),
+        [x, r, norm.weight],
+        (g, g),
+    )
+    ln = torch.nn.LayerNorm(n).to("cuda", DT)
+    ln_layer = types.MethodType(kt.layers.LayerNorm.forward, ln)
+    cases[f"ours LayerNorm layer {m}x{n}"] = (lambda: ln_layer(x), [x, ln.weight, ln.bias], (g,))
+    cases[f"F.layer_norm {m}x{n}"] = (
+        lambda: F.layer_norm(x, (n,), ln.weight, ln.bias, 1e-5),
+        [x, ln.weight, ln.bias],
+        (g,),
+    )
+    xa, wa = leaf(16384, 4096), leaf(4096)
+    ga = (torch.randn(16384, 4096, device="cuda", dtype=DT),)
+    cases["ours rms_norm 16384x4096 (anchor)"] = (lambda: kt.rms_norm(xa, wa, 1e-6), [xa, wa], ga)
+    cases["F.rms_norm 16384x4096 (anchor)"] = (
+        lambda: F.rms_norm(xa, (4096,), wa, 1e-6),
+        [xa, wa],
+        ga,
+    )
+    # In place, the backward writes the gradients over a and b: leaves here, so their values
+    # drift from call to call; the work per call does not.
+    a, b = leaf(4096, 3072), leaf(4096, 3072)
+    gab = (torch.randn(4096, 3072, device="cuda", dtype=DT),)
+    cases["ours silu_mul in_place 4096x3072"] = (
+        lambda: kt.silu_mul(a, b, in_place=True),
+        [a, b],
+        gab,
+    )
+    cases["ours gelu_mul in_place 4096x3072"] = (
+        lambda: kt.gelu_mul(a, b, "tanh", in_place=True),
+        [a, b],
+        gab,
+    )
+    logits, target = leaf(4096, 32000), torch.randint(0, 32000, (4096,), device="cuda")
+    one = (torch.ones((), device="cuda"),)
+    cases["ours cross_entropy 4096x32000"] = (
+        lambda: kt.cross_entropy(logits, target),
+        [logits],
+        one,
+    )
+    cases["F.cross_entropy 4096x32000"] = (
+        lambda: F.cross_entropy(logits.float(), target),
+        [logits],
+        one,
+    )
+    return cases
+
+
 def main():
     kt = load_training_kernels()
     rows = []
@@ -118,6 +187,7 @@ def main():
     ga = (torch.randn(4096, 3072, device="cuda", dtype=DT),)
     cases["ours silu_mul 4096x3072"] = (lambda: kt.silu_mul(a, c), [a, c], ga)
     cases["torch silu*mul 4096x3072"] = (lambda: F.silu(a) * c, [a, c], ga)
+    cases.update(more_cases(kt))
 
     for name, (fwd, leaves, g) in cases.items():
         fb = grad_fn(fwd, leaves, g)

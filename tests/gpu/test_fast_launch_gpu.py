@@ -170,3 +170,63 @@ def test_a_constexpr_passed_by_position_is_never_replayed(common):
     for value in (1, 2, 3):
         fill[(1,)](y, 100, value)
         assert torch.all(y[:100] == value)
+
+
+def test_bound_launch_replays_directly_and_falls_back_off_its_specialisation(scaled_copy):
+    """A plan's BoundLaunch: after its first aligned call it launches through the compiled
+    kernel's launcher alone; a misaligned pointer takes FastLaunch's path (its own kernel)."""
+    bound = scaled_copy.bound((8,), {"BLOCK": 128, "NEGATE": False})
+    x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(1000, dtype=x.dtype, device="cuda")
+    bound(x, y, 1000, 3, 2.0)  # compiles through Triton, then keeps the kernel
+    assert bound.ready is not None
+    ref = (x[:3000:3].float() * 2.0).to(x.dtype)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    restore = forbid_triton_path(scaled_copy)
+    try:
+        x2 = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+        y.zero_()
+        bound(x2, y, 1000, 3, 2.0)
+        torch.testing.assert_close(y, (x2[:3000:3].float() * 2.0).to(x.dtype), rtol=0, atol=0)
+    finally:
+        restore()
+    known = len(scaled_copy.compiled)
+    y.zero_()
+    bound(x[1:], y, 1000, 3, 2.0)  # 2 bytes off: another specialisation, compiled anew
+    torch.testing.assert_close(y, (x[1:3001:3].float() * 2.0).to(x.dtype), rtol=0, atol=0)
+    assert len(scaled_copy.compiled) == known + 1
+    xh, yh = x.half(), torch.zeros(1000, dtype=torch.half, device="cuda")
+    bound(xh, yh, 1000, 3, 2.0)  # aligned, another dtype: not the kept bf16 kernel
+    torch.testing.assert_close(yh, (xh[:3000:3].float() * 2.0).half(), rtol=0, atol=0)
+    assert len(scaled_copy.compiled) == known + 2
+
+
+def test_rms_norm_plans_launch_directly_after_the_first_call():
+    """RMSNorm fwd+bwd through the public function: once its plans are made, a second call
+    with new tensors of the same key launches all three kernels without Triton's binder, and
+    its results are the float64 reference's to bf16 precision."""
+    from tests.gpu.variant import load_variant, rel_err
+
+    kt = load_variant("_fast_launch_gpu_plans")
+    rms = sys.modules["_fast_launch_gpu_plans.rms_norm"]
+    kernels = (rms._rms_norm_fwd_kernel, rms._rms_norm_bwd_kernel, rms._column_sum_kernel)
+
+    def step():
+        x = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        y = kt.rms_norm(x, w, 1e-6)
+        dx, dw = torch.autograd.grad(y, (x, w), dy)
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+        dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+        for out, ref in ((y, y64), (dx, dx64), (dw, dw64)):
+            assert rel_err(out, ref) <= 1e-2
+
+    step()  # compiles, tunes, makes the plans
+    restores = [forbid_triton_path(k) for k in kernels]
+    try:
+        step()
+    finally:
+        for restore in restores:
+            restore()

@@ -80,6 +80,26 @@ def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return rows
 
 
+def rows_stride(x: torch.Tensor, n: int) -> int | None:
+    """The row stride of `as_rows(x, n)` when that is a view of x starting at x's first element
+    (then x itself can be handed to a kernel that takes rows n elements wide), else None (a copy).
+    A function of x's shape and strides alone, so a plan keyed by them may keep the answer."""
+    rows = as_rows(x, n)
+    if rows.numel() and rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return rows.stride(0)
+    return None
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`. Plans allocate with
+    ``torch.empty_strided(shape, strides, ...)``: a third of ``torch.empty``'s host time."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def flat(x: torch.Tensor) -> torch.Tensor:
     """`x` as a contiguous 1-D tensor (a view when x is already contiguous)."""
     return x.contiguous().view(-1)
@@ -234,6 +254,77 @@ class FastLaunch:
             return self.fn[grid](*args, **kwargs)
         return kernel
 
+    def bound(self, grid: tuple, kwargs: dict) -> BoundLaunch:
+        """This kernel's launch with `grid` and the keywords fixed (see BoundLaunch)."""
+        return BoundLaunch(self, grid, kwargs)
+
+
+class BoundLaunch:
+    """``kernel[grid](*args, **kwargs)`` with the grid and the keywords fixed, for an op's plan.
+
+    Called as ``bound(*args)``. The plan that holds it fixes every scalar argument too (its key
+    holds the shapes, strides and options they derive from, and the call passes the plan's own
+    values), so what Triton specialises on can change only with the tensors' dtypes and 16-byte
+    alignment and the current device: those are checked per call, and a call that matches the
+    first aligned one goes straight to the compiled kernel's launcher, without building the
+    FastLaunch key. Any other call goes through FastLaunch (which may still replay).
+    """
+
+    __slots__ = ("fast", "grid", "kwargs", "g", "tensors", "ready")
+
+    def __init__(self, fast: FastLaunch, grid: tuple, kwargs: dict) -> None:
+        self.fast, self.grid, self.kwargs = fast, grid, kwargs
+        self.g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.tensors: tuple = ()  # (position, dtype) of each tensor argument
+        self.ready: tuple | None = None  # (device, kernel, tail) once replayable
+
+    def __call__(self, *args):
+        ready = self.ready
+        if ready is not None:
+            for i, dtype in self.tensors:
+                t = args[i]
+                if t.data_ptr() & 15 or t.dtype is not dtype:  # dtypes are singletons
+                    return self._through_fast_launch(args)
+            runtime = triton.knobs.runtime
+            enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+            device = torch._C._cuda_getDevice()  # what Triton launches on: the current device
+            # _hooked(enter) or _hooked(leave), without two calls per launch
+            hooked = (enter is not None and getattr(enter, "calls", True)) or (
+                leave is not None and getattr(leave, "calls", True)
+            )
+            if device == ready[0] and not hooked:
+                kernel, tail = ready[1], ready[2]
+                g = self.g
+                stream = torch._C._cuda_getCurrentRawStream(device)
+                try:
+                    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
+                               None, enter, leave, *args, *tail)  # fmt: skip
+                except TypeError:  # see FastLaunch.launch: Triton's path, for good
+                    self.ready = None
+                    self.fast.enabled = False
+                    return self.fast.fn[self.grid](*args, **self.kwargs)
+                return kernel
+        return self._through_fast_launch(args)
+
+    def _through_fast_launch(self, args: tuple):
+        """FastLaunch's own path; the first time all tensors are 16-byte aligned, keep what it
+        compiled (or found) for them, for the calls to come."""
+        fast = self.fast
+        kernel = fast.launch(self.grid, args, self.kwargs)
+        if self.ready is None and fast.enabled:
+            tensors = tuple((i, a.dtype) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            if all(args[i].data_ptr() % 16 == 0 for i, _ in tensors):
+                device = torch._C._cuda_getDevice()
+                try:
+                    key = (device, spec_key(args, fast.layouts), tuple(self.kwargs.items()))
+                except TypeError:  # an argument kind FastLaunch does not replay
+                    return kernel
+                plan = fast.compiled.get(key)
+                if plan:
+                    self.tensors = tensors
+                    self.ready = (device, plan[0], plan[1])
+        return kernel
+
 
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook is set (None in older Tritons, an empty chain in newer)."""
@@ -243,6 +334,35 @@ def _hooked(hook) -> bool:
 def fast_launch(fn) -> FastLaunch:
     """Decorator over @triton.jit for kernels the host launches (see FastLaunch)."""
     return FastLaunch(fn)
+
+
+# --- Per-call plans ---------------------------------------------------------------------------
+#
+# An op's host work between autograd and the launch is a function of what its plan key holds
+# (shapes, strides, dtypes, device, options): the config, the grid, the row strides, the
+# allocation shapes, the scalar arguments. The op works them out on the first call with a key and
+# keeps them, so later calls make one dict lookup, the allocations and the launch.
+
+
+class PlanCache(dict):
+    """Plans by key; emptied when it holds `limit` of them, so a process that sees ever new
+    shapes (or a NaN option, never equal to itself) does not grow it without bound."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key, plan) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+
+
+def config_is_final(key: tuple, candidates: list) -> bool:
+    """Whether `pick_config(key, candidates, ...)` answers the same from now on (timed and kept,
+    one candidate, or the interpreter's untimed default): a plan may then keep its answer. Not
+    while a CUDA graph is captured, nor for the in-place default taken before any timing."""
+    return key in _CHOICES or len(candidates) == 1 or interpreting()
 
 
 _CHOICES: dict[tuple, dict] = {}

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, fast_launch, next_pow2, sm_count, use_triton
+from ._common import PlanCache, cdiv, fast_launch, next_pow2, sm_count, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -1064,9 +1064,30 @@ def _lean_rows(
     logits, target, grad, grad_scale, row_scale, loss, lse, cfg: CEConfig, ignore_index,
     smoothing, lse_sq, softcap, scratch,
 ):  # fmt: skip
-    """`ce_rows` through `_ce_lean_kernel` (see the comment above it)."""
+    """`ce_rows` through `_ce_lean_kernel` (see the comment above it); the launch's constants
+    come from the plan its key maps to."""
     n, vocab = logits.shape
     out = logits if grad is None else grad
+    stride = logits.stride(0)
+    key = (n, vocab, stride, logits.dtype, logits.device, grad is None, cfg, ignore_index,
+           smoothing, lse_sq, softcap, row_scale is None)  # fmt: skip
+    plan = _LEAN_PLANS.get(key)
+    if plan is None:
+        plan = _lean_plan(logits, grad, row_scale, cfg, ignore_index, smoothing, lse_sq, softcap)
+        _LEAN_PLANS.keep(key, plan)
+    launch, n_stats, counted, scalars = plan
+    stats = counts = loss  # placeholders, never read with one chunk and no queue
+    if counted:
+        slots, counts = _scratch(scratch, n_stats, n + 1, logits.device)
+        stats = loss if slots is None else slots
+    launch(logits, out, stride, target, loss, lse, stats, counts, grad_scale,
+           grad_scale if row_scale is None else row_scale, *scalars)  # fmt: skip
+
+
+def _lean_plan(logits, grad, row_scale, cfg: CEConfig, ignore_index, smoothing, lse_sq, softcap):
+    """(bound launch, stats slots, whether counters are taken, scalar arguments) of one
+    `_lean_rows` key."""
+    n, vocab = logits.shape
     stride = logits.stride(0)
     vec = max(1, 16 // logits.element_size())  # elements per 16-byte access
     # A row start that is not 16-byte aligned: read from the aligned address below it.
@@ -1074,11 +1095,8 @@ def _lean_rows(
     num_chunks = cdiv(vocab + (vec - 1 if align else 0), cfg.chunk)
     kw = min(32 * vec, cfg.block)  # one warp's 16-byte accesses per tile row
     queue = cfg.queue or (num_chunks > 1 and not logits.is_cuda)
-    stats = counts = loss  # placeholders, never read with one chunk and no queue
-    if num_chunks > 1 or queue or cfg.ticket:
-        n_stats = n * num_chunks * 4 if num_chunks > 1 or queue else 0
-        slots, counts = _scratch(scratch, n_stats, n + 1, logits.device)
-        stats = loss if slots is None else slots
+    counted = num_chunks > 1 or queue or cfg.ticket
+    n_stats = n * num_chunks * 4 if num_chunks > 1 or queue else 0
     tasks = n * num_chunks
     if queue:
         tasks = (n + cfg.lag) * num_chunks * (1 if cfg.pair else 2)
@@ -1091,24 +1109,7 @@ def _lean_rows(
             # The interpreter runs programs one after another: the tiles pid, pid + grid, ...
             # of program 0 would include write tasks that wait for later programs' reduces.
             grid = 1
-    _ce_lean_kernel[(grid,)](
-        logits,
-        out,
-        stride,
-        target,
-        loss,
-        lse,
-        stats,
-        counts,
-        grad_scale,
-        grad_scale if row_scale is None else row_scale,
-        n,
-        vocab,
-        ignore_index,
-        float(smoothing),
-        float(lse_sq),
-        float(softcap) if softcap else 1.0,
-        tasks,
+    kwargs = dict(
         CHUNK=cfg.chunk,
         NUM_CHUNKS=num_chunks,
         NC_POW2=max(2, next_pow2(num_chunks)),
@@ -1131,6 +1132,12 @@ def _lean_rows(
         num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and logits.is_cuda else {}),
     )
+    scalars = (n, vocab, ignore_index, float(smoothing), float(lse_sq),
+               float(softcap) if softcap else 1.0, tasks)  # fmt: skip
+    return _ce_lean_kernel.bound((grid,), kwargs), n_stats, counted, scalars
+
+
+_LEAN_PLANS = PlanCache()
 
 
 def _torch_ce_rows(
@@ -1202,18 +1209,20 @@ def scale_rows_(grad: torch.Tensor, g: torch.Tensor) -> None:
         grad.mul_((g.view(-1, *[1] * (grad.dim() - 1)) if per_row else g).to(grad.dtype))
         return
     assert grad.is_contiguous()
-    block = 8192 if grad.is_cuda else 1 << 16
-    n_blocks = cdiv(grad.numel(), block)
-    _scale_kernel[(min(n_blocks, 8 * sm_count(grad.device)),)](
-        grad,
-        grad.numel(),
-        grad.numel() // grad.shape[0],
-        g,
-        n_blocks,
-        PER_ROW=per_row,
-        BLOCK=block,
-        num_warps=8,
+    launch, scalars = _scale_launch(grad.numel(), grad.shape[0], per_row, grad.device)
+    launch(grad, scalars[0], scalars[1], g, scalars[2])
+
+
+@functools.lru_cache(maxsize=256)  # asked per backward; a BoundLaunch is shared, never mutated
+def _scale_launch(numel: int, rows: int, per_row: bool, device: torch.device):
+    """(bound launch, (numel, row length, blocks)) of `_scale_kernel` for one gradient size."""
+    block = 8192 if device.type == "cuda" else 1 << 16
+    n_blocks = cdiv(numel, block)
+    launch = _scale_kernel.bound(
+        (min(n_blocks, 8 * sm_count(device)),),
+        {"PER_ROW": per_row, "BLOCK": block, "num_warps": 8},
     )
+    return launch, (numel, numel // rows, n_blocks)
 
 
 def grad_scale_tensor(

@@ -15,16 +15,19 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    PlanCache,
     as_rows,
     cached_config,
     cdiv,
+    config_is_final,
+    contiguous_strides,
     fast_launch,
     next_pow2,
     op_name,
     pick_config,
-    sm_count,
+    rows_stride,
 )
-from .rms_norm import bwd_candidates, column_sum, fwd_config, use_triton_rows
+from .rms_norm import _bwd_programs, bwd_candidates, column_sum_launch, fwd_config, use_triton_rows
 
 
 @fast_launch
@@ -183,30 +186,63 @@ def _layer_norm_bwd_kernel(
 
 
 def forward(x, weight, bias, eps, cfg=None):
-    """Triton forward: (y like x, mean [rows] fp32, rstd [rows] fp32)."""
-    n = x.shape[-1]
-    x2 = as_rows(x, n)
-    m = x2.shape[0]
-    # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make per call.
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    if m > 0:
-        cfg = cfg or fwd_config(m, n)
-        _layer_norm_fwd_kernel[(cdiv(m, cfg["BLOCK_M"]),)](
-            x2, weight, bias, y, mean, rstd, m, n, x2.stride(0), n, eps,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n),
-            HAS_W=weight is not None, HAS_B=bias is not None, num_warps=cfg["num_warps"],
-        )  # fmt: skip
-    return y, mean, rstd
+    """Triton forward: (y like x, mean [rows] fp32, rstd [rows] fp32). A call without `cfg`
+    runs the plan its key maps to (row stride, allocation shapes, scalars, the bound launch)."""
+    if cfg is not None:
+        return _ForwardPlan(x, weight, bias, eps, cfg)(x, weight, bias)
+    key = (x.shape, x.stride(), x.dtype, x.device, weight is None or weight.dtype,
+           bias is None or bias.dtype, eps)  # fmt: skip
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = _ForwardPlan(x, weight, bias, eps, None)
+        _FORWARD_PLANS.keep(key, plan)
+    return plan(x, weight, bias)
+
+
+class _ForwardPlan:
+    """What a forward call's key fixes (see rms_norm's plans); the config needs no timing."""
+
+    __slots__ = ("m", "n", "shape", "strides", "stats", "stats_strides", "device", "dtype",
+                 "x_rows", "scalars", "launch")  # fmt: skip
+
+    def __init__(self, x, weight, bias, eps, cfg) -> None:
+        n = self.n = x.shape[-1]
+        m = self.m = x.numel() // n if n else 0
+        self.shape, self.strides = x.shape, contiguous_strides(x.shape)
+        self.stats, self.stats_strides = x.shape[:-1], contiguous_strides(x.shape[:-1])
+        self.device, self.dtype = x.device, x.dtype
+        self.x_rows = rows_stride(x, n)  # None: the call copies x into rows
+        self.scalars = (m, n, n if self.x_rows is None else self.x_rows, n, eps)
+        self.launch = None
+        if m > 0:
+            cfg = cfg or fwd_config(m, n)
+            self.launch = _layer_norm_fwd_kernel.bound(
+                (cdiv(m, cfg["BLOCK_M"]),),
+                {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": next_pow2(n), "HAS_W": weight is not None,
+                 "HAS_B": bias is not None, "num_warps": cfg["num_warps"]},
+            )  # fmt: skip
+
+    def __call__(self, x, weight, bias):
+        dev = self.device
+        # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make.
+        y = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=dev)
+        mean = torch.empty_strided(self.stats, self.stats_strides, dtype=torch.float32, device=dev)
+        rstd = torch.empty_strided(self.stats, self.stats_strides, dtype=torch.float32, device=dev)
+        if self.launch is not None:
+            x2 = x if self.x_rows is not None else as_rows(x, self.n)
+            self.launch(x2, weight, bias, y, mean, rstd, *self.scalars)
+        return y, mean, rstd
+
+
+_FORWARD_PLANS = PlanCache()
+_BACKWARD_PLANS = PlanCache()
 
 
 def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
-    """One backward launch; dx, mean and rstd are contiguous (dx's rows n apart)."""
+    """One backward launch through Triton's binder (the tuner's timing launches); dx, mean and
+    rstd are contiguous (dx's rows n apart)."""
     m, n = x2.shape
-    programs = min(cfg["per_sm"] * sm_count(x2.device), cdiv(m, cfg["BLOCK_M"]))
-    rows_per_program = cdiv(m, programs)
-    programs = cdiv(m, rows_per_program)
+    programs, rows_per_program = _bwd_programs(m, cfg, x2.device)
     dw_part = torch.empty(
         (programs, n) if compute_dw else (1, 1), dtype=torch.float32, device=x2.device
     )
@@ -216,37 +252,117 @@ def _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg):
     _layer_norm_bwd_kernel[(programs,)](
         dy2, x2, weight, mean, rstd, dx, dw_part, db_part, m, n,
         dy2.stride(0), x2.stride(0), n, rows_per_program,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), HAS_W=weight is not None,
-        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, PREFETCH=cfg["PREFETCH"],
-        ACC_2D=cfg["ACC_2D"], RELOAD=cfg["RELOAD"], STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
+        **_bwd_kwargs(cfg, n, weight is not None, compute_dw, compute_db),
     )  # fmt: skip
     return dw_part, db_part
 
 
+def _bwd_kwargs(cfg, n, has_w, compute_dw, compute_db) -> dict:
+    return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": next_pow2(n), "HAS_W": has_w,
+            "COMPUTE_DW": compute_dw, "COMPUTE_DB": compute_db, "PREFETCH": cfg["PREFETCH"],
+            "ACC_2D": cfg["ACC_2D"], "RELOAD": cfg["RELOAD"], "STAGES": cfg["STAGES"],
+            "num_warps": cfg["num_warps"]}  # fmt: skip
+
+
 def backward(dy, x, weight, mean, rstd, compute_dw, compute_db, cfg=None):
-    """Triton backward: (dx, dW or empty, dB or empty); mean and rstd as forward returned them."""
-    n = x.shape[-1]
-    x2, dy2 = as_rows(x, n), as_rows(dy, n)
-    m = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if m == 0:
-        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
-        return dx, dw, x.new_zeros(n) if compute_db else x.new_empty(0)
-    if cfg is None:
-        key = ("ln_bwd", m.bit_length(), n, x.dtype, dy.dtype, x.device, weight is not None,
-               compute_dw, compute_db)  # fmt: skip
-        cfg = cached_config(key)  # first: the path every call after the first takes
+    """Triton backward: (dx, dW or empty, dB or empty); mean and rstd as forward returned them,
+    dy shaped like x. A call without `cfg` runs the plan its key maps to."""
+    if cfg is not None:
+        plan = _BackwardPlan(dy, x, weight, compute_dw, compute_db)
+        return plan(dy, x, weight, mean, rstd, cfg)
+    key = (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype,
+           weight is None or weight.dtype, compute_dw, compute_db)  # fmt: skip
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = _BackwardPlan(dy, x, weight, compute_dw, compute_db)
+        out = plan(dy, x, weight, mean, rstd)
+        if plan.final:
+            _BACKWARD_PLANS.keep(key, plan)
+        return out
+    return plan(dy, x, weight, mean, rstd)
+
+
+class _BackwardPlan:
+    """What a backward call's key fixes; the config and launches once its first call chose them."""
+
+    __slots__ = ("m", "n", "shape", "strides", "device", "dtype", "dy_dtype", "dy_rows", "x_rows",
+                 "compute_dw", "compute_db", "has_w", "row_bytes", "ready", "final")  # fmt: skip
+
+    def __init__(self, dy, x, weight, compute_dw, compute_db) -> None:
+        n = self.n = x.shape[-1]
+        self.m = x.numel() // n if n else 0
+        self.shape, self.strides = x.shape, contiguous_strides(x.shape)
+        self.device, self.dtype, self.dy_dtype = x.device, x.dtype, dy.dtype
+        self.dy_rows, self.x_rows = rows_stride(dy, n), rows_stride(x, n)
+        self.compute_dw, self.compute_db, self.has_w = compute_dw, compute_db, weight is not None
+        self.row_bytes = dy.element_size() + x.element_size()
+        self.ready = None  # (launch, scalars, dW and dB partials' shapes, their column sums)
+        self.final = True
+
+    def __call__(self, dy, x, weight, mean, rstd, cfg=None):
+        m, n, dev = self.m, self.n, self.device
+        dx = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=dev)
+        if m == 0:
+            dw = torch.zeros_like(weight) if self.compute_dw else x.new_empty(0)
+            return dx, dw, x.new_zeros(n) if self.compute_db else x.new_empty(0)
+        dy2 = dy if self.dy_rows is not None else as_rows(dy, n)
+        x2 = x if self.x_rows is not None else as_rows(x, n)
+        ready = self.ready
+        if ready is None or cfg is not None:
+            ready = self._choose(dy2, x2, weight, mean, rstd, dx, cfg)
+        launch, scalars, dw_shape, db_shape, colsum_w, colsum_b = ready
+        dw_part = torch.empty_strided(dw_shape, (dw_shape[1], 1), dtype=torch.float32, device=dev)
+        db_part = torch.empty_strided(db_shape, (db_shape[1], 1), dtype=torch.float32, device=dev)
+        launch(dy2, x2, weight, mean, rstd, dx, dw_part, db_part, *scalars)
+        # Distinct empty tensors: a custom op's outputs may not alias each other.
+        if self.compute_dw:
+            dw = torch.empty_strided((n,), (1,), dtype=weight.dtype, device=dev)
+            colsum_w(dw_part, dw, dw_shape[0], n)
+        else:
+            dw = torch.empty_strided((0,), (1,), dtype=self.dtype, device=dev)
+        if self.compute_db:
+            db = torch.empty_strided((n,), (1,), dtype=self.dy_dtype, device=dev)
+            colsum_b(db_part, db, db_shape[0], n)
+        else:
+            db = torch.empty_strided((0,), (1,), dtype=self.dtype, device=dev)
+        return dx, dw, db
+
+    def _choose(self, dy2, x2, weight, mean, rstd, dx, cfg):
+        m, n = self.m, self.n
+        compute_dw, compute_db = self.compute_dw, self.compute_db
+        keep = cfg is None
         if cfg is None:
-            row_bytes = dy.element_size() + x.element_size()
-            cfg = pick_config(
-                key,
-                bwd_candidates(m, n, compute_dw or compute_db, row_bytes),
-                lambda c: _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, c),
-            )
-    dw_part, db_part = _launch_bwd(dy2, x2, weight, mean, rstd, dx, compute_dw, compute_db, cfg)
-    # Distinct empty tensors: a custom op's outputs may not alias each other.
-    dw = column_sum(dw_part, weight.dtype) if compute_dw else x.new_empty(0)
-    return dx, dw, column_sum(db_part, dy.dtype) if compute_db else x.new_empty(0)
+            key = ("ln_bwd", m.bit_length(), n, self.dtype, self.dy_dtype, self.device,
+                   self.has_w, compute_dw, compute_db)  # fmt: skip
+            cfg = cached_config(key)  # a config an earlier call (or plan) timed
+            if cfg is None:
+                candidates = bwd_candidates(m, n, compute_dw or compute_db, self.row_bytes)
+                dy_r, x_r = as_rows(dy2, n), as_rows(x2, n)
+                cfg = pick_config(
+                    key,
+                    candidates,
+                    lambda c: _launch_bwd(dy_r, x_r, weight, mean, rstd, dx, compute_dw,
+                                          compute_db, c),
+                )  # fmt: skip
+                self.final = config_is_final(key, candidates)
+        programs, rows_per_program = _bwd_programs(m, cfg, self.device)
+        launch = _layer_norm_bwd_kernel.bound(
+            (programs,), _bwd_kwargs(cfg, n, self.has_w, compute_dw, compute_db)
+        )
+        sdy = n if self.dy_rows is None else self.dy_rows
+        sx = n if self.x_rows is None else self.x_rows
+        ready = (
+            launch,
+            (m, n, sdy, sx, n, rows_per_program),
+            (programs, n) if compute_dw else (1, 1),
+            (programs, n) if compute_db else (1, 1),
+            # dW takes the weight's dtype, dB the gradient's: a column sum each.
+            column_sum_launch(programs, n, self.device, weight.dtype) if compute_dw else None,
+            column_sum_launch(programs, n, self.device, self.dy_dtype) if compute_db else None,
+        )
+        if keep:
+            self.ready = ready
+        return ready
 
 
 def _torch_backward(dy, x, weight, mean, rstd, compute_dw, compute_db):

@@ -33,13 +33,17 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    PlanCache,
     as_rows,
     cached_config,
     cdiv,
+    config_is_final,
+    contiguous_strides,
     fast_launch,
     next_pow2,
     op_name,
     pick_config,
+    rows_stride,
     sm_count,
     use_triton,
 )
@@ -266,10 +270,17 @@ def column_sum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Sum a [P, N] fp32 partial buffer over P into a new [N] tensor of `dtype`."""
     p, n = part.shape
     out = torch.empty(n, dtype=dtype, device=part.device)
-    # Narrow column blocks: enough programs to spread the read over the SMs.
-    block_n = max(16, min(256, next_pow2(n // (2 * sm_count(part.device)))))
-    _column_sum_kernel[(cdiv(n, block_n),)](part, out, p, n, BLOCK_P=64, BLOCK_N=block_n)
+    column_sum_launch(p, n, part.device, dtype)(part, out, p, n)
     return out
+
+
+@functools.lru_cache(maxsize=256)  # asked per backward; a BoundLaunch is shared, never mutated
+def column_sum_launch(p: int, n: int, device: torch.device, dtype: torch.dtype):
+    """The bound launch of `_column_sum_kernel` over a [p, n] partial buffer into an [n] tensor
+    of `dtype`: call it with (part, out, p, n)."""
+    # Narrow column blocks: enough programs to spread the read over the SMs.
+    block_n = max(16, min(256, next_pow2(n // (2 * sm_count(device)))))
+    return _column_sum_kernel.bound((cdiv(n, block_n),), {"BLOCK_P": 64, "BLOCK_N": block_n})
 
 
 def fwd_config(m: int, n: int) -> dict:
@@ -395,46 +406,116 @@ def forward(x, weight, eps, gemma, cfg=None, residual=None):
 
     `gemma` is the legacy bool or an (offset, mode) pair (see `numerics`); `weight` may be None.
     With `residual` (shaped and typed like x) it normalises s = x + residual and returns s too
-    (shaped like x); else s is None.
+    (shaped like x); else s is None. `cfg` fixes the geometry (else it is picked, see
+    `pick_config`); a call without one runs the plan its key maps to (see `_ForwardPlan`).
     """
-    offset, mode = numerics(gemma)
-    n = x.shape[-1]
-    x2 = as_rows(x, n)
-    m = x2.shape[0]
-    # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make per call.
-    y = torch.empty(x.shape, dtype=out_dtype(x, weight, (offset, mode)), device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    r2 = s = None
-    if residual is not None:
-        r2 = as_rows(residual, n)
-        s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if m > 0:
-        r_arg, s_arg = (x2, y) if s is None else (r2, s)  # unused stand-ins without a residual
-        w_arg = x2 if weight is None else weight  # an unused stand-in without a weight
+    if cfg is not None:
+        return _ForwardPlan(x, weight, eps, gemma, residual)(x, weight, residual, cfg)
+    # Everything the plan's constants derive from: x's layout and dtype, the weight's dtype (or
+    # its absence), the options, and the residual's layout and dtype (or its absence).
+    key = (x.shape, x.stride(), x.dtype, x.device, weight is None or weight.dtype, eps, gemma,
+           residual is None or (residual.stride(), residual.dtype))  # fmt: skip
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = _ForwardPlan(x, weight, eps, gemma, residual)
+        out = plan(x, weight, residual)
+        if plan.final:
+            _FORWARD_PLANS.keep(key, plan)
+        return out
+    return plan(x, weight, residual)
+
+
+class _ForwardPlan:
+    """What a forward call's key fixes: row count and strides, output dtype and shapes, the
+    kernel's scalars; the config and the bound launch once its first call has chosen them."""
+
+    __slots__ = ("m", "n", "shape", "strides", "stats", "stats_strides", "device", "y_dtype",
+                 "s_dtype", "x_rows", "r_rows", "scalars", "mode", "has_w", "has_r", "launch",
+                 "final")  # fmt: skip
+
+    def __init__(self, x, weight, eps, gemma, residual) -> None:
+        offset, self.mode = numerics(gemma)
+        n = self.n = x.shape[-1]
+        self.m = x.numel() // n if n else 0
+        self.shape, self.stats, self.device = x.shape, x.shape[:-1], x.device
+        self.strides, self.stats_strides = (
+            contiguous_strides(x.shape),
+            contiguous_strides(x.shape[:-1]),
+        )
+        self.y_dtype = out_dtype(x, weight, (offset, self.mode))
+        self.s_dtype = x.dtype
+        self.has_w, self.has_r = weight is not None, residual is not None
+        self.x_rows = rows_stride(x, n)  # None: the call copies x into rows
+        self.r_rows = None if residual is None else rows_stride(residual, n)
+        sx = n if self.x_rows is None else self.x_rows  # a copy's rows are n apart
+        sr = sx if residual is None else (n if self.r_rows is None else self.r_rows)
+        self.scalars = (self.m, n, sx, sr, n, n, eps, offset)
+        self.launch = None
+        self.final = True
+
+    def __call__(self, x, weight, residual, cfg=None):
+        m, n = self.m, self.n
+        x2 = x if self.x_rows is not None else as_rows(x, n)
+        # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make.
+        y = torch.empty_strided(self.shape, self.strides, dtype=self.y_dtype, device=self.device)
+        rstd = torch.empty_strided(
+            self.stats, self.stats_strides, dtype=torch.float32, device=self.device
+        )
+        if residual is None:
+            r2, s = x2, None  # an unused stand-in without a residual
+        else:
+            r2 = residual if self.r_rows is not None else as_rows(residual, n)
+            s = torch.empty_strided(
+                self.shape, self.strides, dtype=self.s_dtype, device=self.device
+            )
+        if m == 0:
+            return y, rstd, s
+        args = (x2, r2, x2 if weight is None else weight, y, y if s is None else s, rstd,
+                *self.scalars)  # fmt: skip
+        launch = self.launch
+        if launch is None or cfg is not None:
+            launch = self._choose(args, cfg)
+        launch(*args)
+        return y, rstd, s
+
+    def _choose(self, args: tuple, cfg: dict | None):
+        """The bound launch for `cfg`, or for the config picked for this key (timed into this
+        call's outputs on a GPU's first call); kept when the pick is final."""
+        m, n = self.m, self.n
+        residual = self.has_r
+        x_dtype, w_dtype = args[0].dtype, args[2].dtype
+
+        def kwargs(c):
+            return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": next_pow2(n), "MODE": self.mode,
+                    "RESIDUAL": residual, "HAS_W": self.has_w,
+                    "num_warps": c["num_warps"]}  # fmt: skip
 
         def launch(c):
-            _rms_norm_fwd_kernel[(cdiv(m, c["BLOCK_M"]),)](
-                x2, r_arg, w_arg, y, s_arg, rstd, m, n,
-                x2.stride(0), r_arg.stride(0), n, n, eps, offset,
-                BLOCK_M=c["BLOCK_M"], BLOCK_N=next_pow2(n), MODE=mode, RESIDUAL=s is not None,
-                HAS_W=weight is not None, num_warps=c["num_warps"],
-            )  # fmt: skip
+            _rms_norm_fwd_kernel[(cdiv(m, c["BLOCK_M"]),)](*args, **kwargs(c))
 
+        keep = cfg is None
         if cfg is None:
-            key = ("rms_fwd", m.bit_length(), n, x.dtype, w_arg.dtype, x.device, mode,
-                   s is not None, weight is None)  # fmt: skip
-            cfg = pick_config(key, fwd_candidates(m, n), launch)
-        launch(cfg)
-    return y, rstd, s
+            key = ("rms_fwd", m.bit_length(), n, x_dtype, w_dtype, self.device, self.mode,
+                   residual, not self.has_w)  # fmt: skip
+            candidates = fwd_candidates(m, n)
+            cfg = pick_config(key, candidates, launch)
+            self.final = config_is_final(key, candidates)
+        bound = _rms_norm_fwd_kernel.bound((cdiv(m, cfg["BLOCK_M"]),), kwargs(cfg))
+        if keep:
+            self.launch = bound
+        return bound
+
+
+_FORWARD_PLANS = PlanCache()
+_BACKWARD_PLANS = PlanCache()
 
 
 def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False, ds2=None):
-    """One backward launch; dx and rstd are contiguous (dx's rows n apart)."""
+    """One backward launch through Triton's binder (the tuner's timing launches); dx and rstd
+    are contiguous (dx's rows n apart)."""
     offset, mode = numerics(gemma)
     m, n = x2.shape
-    programs = min(cfg["per_sm"] * sm_count(x2.device), cdiv(m, cfg["BLOCK_M"]))
-    rows_per_program = cdiv(m, programs)
-    programs = cdiv(m, rows_per_program)
+    programs, rows_per_program = _bwd_programs(m, cfg, x2.device)
     part = torch.empty(
         (programs, n) if compute_dw else (1, 1), dtype=torch.float32, device=x2.device
     )
@@ -442,12 +523,23 @@ def _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, cfg, from_y=False,
     _rms_norm_bwd_kernel[(programs,)](
         dy2, x2, x2 if weight is None else weight, rstd, dx, part, ds_arg, m, n,
         dy2.stride(0), x2.stride(0), n, ds_arg.stride(0), rows_per_program, offset,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=next_pow2(n), MODE=mode, COMPUTE_DW=compute_dw,
-        PREFETCH=cfg["PREFETCH"], ACC_2D=cfg["ACC_2D"], FROM_Y=from_y, HAS_DS=ds2 is not None,
-        HAS_W=weight is not None, RELOAD=cfg["RELOAD"], STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"],
+        **_bwd_kwargs(cfg, n, mode, compute_dw, from_y, ds2 is not None, weight is not None),
     )  # fmt: skip
     return part
+
+
+def _bwd_programs(m: int, cfg: dict, device: torch.device) -> tuple[int, int]:
+    """(programs, rows per program) of the persistent backward."""
+    programs = min(cfg["per_sm"] * sm_count(device), cdiv(m, cfg["BLOCK_M"]))
+    rows_per_program = cdiv(m, programs)
+    return cdiv(m, rows_per_program), rows_per_program
+
+
+def _bwd_kwargs(cfg, n, mode, compute_dw, from_y, has_ds, has_w) -> dict:
+    return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": next_pow2(n), "MODE": mode,
+            "COMPUTE_DW": compute_dw, "PREFETCH": cfg["PREFETCH"], "ACC_2D": cfg["ACC_2D"],
+            "FROM_Y": from_y, "HAS_DS": has_ds, "HAS_W": has_w, "RELOAD": cfg["RELOAD"],
+            "STAGES": cfg["STAGES"], "num_warps": cfg["num_warps"]}  # fmt: skip
 
 
 def _dx_buffer(dy, shape, dtype, in_place):
@@ -462,42 +554,135 @@ def backward(
     in_place=False,
 ):  # fmt: skip
     """Triton backward: returns (dx, dW like weight or an empty tensor); `rstd` as forward
-    returned it (contiguous).
+    returned it (contiguous), `dy` shaped like x.
 
     With ``from_y`` the tensor passed as `x` is the forward's output y, and dx takes `x_dtype`.
     With `ds` (the gradient reaching the residual sum s of the fused add) `x` is s and dx is the
     gradient of s, which is also that of both summands. With `in_place` dx is written over dy
     where dy is contiguous and of dx's dtype (each program reads its rows before writing them).
+    A call without `cfg` runs the plan its key maps to (see `_BackwardPlan`).
     """
-    n = x.shape[-1]
-    x2 = as_rows(x, n)
-    dy2 = as_rows(dy, n)
-    ds2 = None if ds is None else as_rows(ds, n)
-    m = x2.shape[0]
-    dx = _dx_buffer(dy, x.shape, x_dtype or x.dtype, in_place)
-    if m == 0:
-        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
+    if cfg is not None:
+        plan = _BackwardPlan(dy, x, weight, gemma, compute_dw, from_y, x_dtype, ds, in_place)
+        return plan(dy, x, weight, rstd, ds, cfg)
+    key = (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype,
+           weight is None or weight.dtype, gemma, compute_dw, from_y, x_dtype,
+           ds is None or (ds.stride(), ds.dtype), in_place)  # fmt: skip
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = _BackwardPlan(dy, x, weight, gemma, compute_dw, from_y, x_dtype, ds, in_place)
+        out = plan(dy, x, weight, rstd, ds)
+        if plan.final:
+            _BACKWARD_PLANS.keep(key, plan)
+        return out
+    return plan(dy, x, weight, rstd, ds)
+
+
+class _BackwardPlan:
+    """What a backward call's key fixes (see `_ForwardPlan`): dx's buffer and dtype, row strides,
+    the dW partials' shape and the column sum's launch; the config once chosen."""
+
+    __slots__ = ("m", "n", "shape", "strides", "device", "dx_dtype", "over_dy", "dy_rows",
+                 "x_rows", "ds_rows", "mode", "offset", "compute_dw", "from_y", "has_w", "has_ds",
+                 "row_bytes", "launch", "scalars", "part_shape", "colsum", "final")  # fmt: skip
+
+    def __init__(self, dy, x, weight, gemma, compute_dw, from_y, x_dtype, ds, in_place) -> None:
+        self.offset, self.mode = numerics(gemma)
+        n = self.n = x.shape[-1]
+        self.m = x.numel() // n if n else 0
+        self.shape, self.strides, self.device = x.shape, contiguous_strides(x.shape), x.device
+        self.dx_dtype = x_dtype or x.dtype
+        self.over_dy = (
+            in_place and dy.dtype == self.dx_dtype and dy.is_contiguous() and dy.shape == x.shape
+        )
+        self.dy_rows, self.x_rows = rows_stride(dy, n), rows_stride(x, n)
+        self.ds_rows = None if ds is None else rows_stride(ds, n)
+        self.compute_dw, self.from_y = compute_dw, from_y
+        self.has_w, self.has_ds = weight is not None, ds is not None
+        # The fused add reads a third row tensor, ds.
+        self.row_bytes = (
+            dy.element_size() + x.element_size() + (0 if ds is None else ds.element_size())
+        )
+        self.launch = self.scalars = self.part_shape = self.colsum = None
+        self.final = True
+
+    def __call__(self, dy, x, weight, rstd, ds, cfg=None):
+        m, n = self.m, self.n
+        dy2 = dy if self.dy_rows is not None else as_rows(dy, n)
+        x2 = x if self.x_rows is not None else as_rows(x, n)
+        dx = (
+            dy
+            if self.over_dy
+            else torch.empty_strided(
+                self.shape, self.strides, dtype=self.dx_dtype, device=self.device
+            )
+        )
+        if m == 0:
+            dw = torch.zeros_like(weight) if self.compute_dw else x.new_empty(0)
+            return dx, dw
+        ds2 = None if ds is None else (ds if self.ds_rows is not None else as_rows(ds, n))
+        if self.launch is None or cfg is not None:
+            launch, scalars, part_shape, colsum = self._choose(dy2, x2, weight, rstd, dx, ds2, cfg)
+        else:
+            launch, scalars = self.launch, self.scalars
+            part_shape, colsum = self.part_shape, self.colsum
+        part = torch.empty_strided(
+            part_shape, (part_shape[1], 1), dtype=torch.float32, device=self.device
+        )
+        launch(dy2, x2, x2 if weight is None else weight, rstd, dx, part,
+               dy2 if ds2 is None else ds2, *scalars)  # fmt: skip
+        if not self.compute_dw:
+            return dx, torch.empty_strided((0,), (1,), dtype=x.dtype, device=self.device)
+        dw = torch.empty_strided((n,), (1,), dtype=weight.dtype, device=self.device)
+        colsum(part, dw, part_shape[0], n)
         return dx, dw
-    mode = numerics(gemma)[1]
 
-    def launch(c):
-        return _launch_bwd(dy2, x2, weight, rstd, dx, gemma, compute_dw, c, from_y, ds2)
-
-    if cfg is None:
-        key = ("rms_bwd", m.bit_length(), n, x.dtype, dy.dtype,
-               None if weight is None else weight.dtype, x.device, mode, compute_dw, from_y,
-               ds is not None)  # fmt: skip
-        cfg = cached_config(key)  # first: the path every call after the first takes
+    def _choose(self, dy2, x2, weight, rstd, dx, ds2, cfg):
+        """(bound launch, scalars, partials' shape, column-sum launch) for `cfg`, or for the
+        config picked for this key (timed on a GPU's first call); kept when the pick is final."""
+        m, n = self.m, self.n
+        keep = cfg is None
         if cfg is None:
-            row_bytes = dy.element_size() + x.element_size()
-            row_bytes += 0 if ds is None else ds.element_size()  # the fused add's third row
-            candidates = bwd_candidates(m, n, compute_dw, row_bytes)
-            # Timing launches several times, and a launch after the first would read a dx as
-            # dy: in place takes the geometry an earlier out-of-place call timed, or the default.
-            cfg = candidates[0] if dx is dy else pick_config(key, candidates, launch)
-    part = launch(cfg)
-    dw = column_sum(part, weight.dtype) if compute_dw else x.new_empty(0)
-    return dx, dw
+            key = ("rms_bwd", m.bit_length(), n, x2.dtype, dy2.dtype,
+                   weight.dtype if self.has_w else None, self.device, self.mode, self.compute_dw,
+                   self.from_y, self.has_ds)  # fmt: skip
+            cfg = cached_config(key)  # a config an earlier call (or plan) timed
+            if cfg is None:
+                candidates = bwd_candidates(m, n, self.compute_dw, self.row_bytes)
+                # Timing launches several times, and a launch after the first would read a dx
+                # as dy: in place takes the geometry an earlier out-of-place call timed, or
+                # the default (not kept: a later out-of-place call may time another).
+                if self.over_dy:
+                    cfg = candidates[0]
+                else:
+                    numer = (self.offset, self.mode)
+                    rows = [None if t is None else as_rows(t, n) for t in (dy2, x2, ds2)]
+                    cfg = pick_config(
+                        key,
+                        candidates,
+                        lambda c: _launch_bwd(rows[0], rows[1], weight, rstd, dx, numer,
+                                              self.compute_dw, c, self.from_y, rows[2]),
+                    )  # fmt: skip
+                # In place before any timing: final only where no timing will ever come.
+                self.final = config_is_final(key, candidates)
+        programs, rows_per_program = _bwd_programs(m, cfg, self.device)
+        kwargs = _bwd_kwargs(
+            cfg, n, self.mode, self.compute_dw, self.from_y, self.has_ds, self.has_w
+        )
+        launch = _rms_norm_bwd_kernel.bound((programs,), kwargs)
+        # Row strides: the view's, or n for a copy (contiguous).
+        sdy = n if self.dy_rows is None else self.dy_rows
+        sx = n if self.x_rows is None else self.x_rows
+        sds = sdy if ds2 is None else (n if self.ds_rows is None else self.ds_rows)
+        scalars = (m, n, sdy, sx, n, sds, rows_per_program, self.offset)
+        part_shape = (programs, n) if self.compute_dw else (1, 1)
+        colsum = None
+        if self.compute_dw:
+            colsum = column_sum_launch(programs, n, self.device, weight.dtype)
+        if keep:
+            self.launch, self.scalars = launch, scalars
+            self.part_shape, self.colsum = part_shape, colsum
+        return launch, scalars, part_shape, colsum
 
 
 def _torch_forward(x, weight, eps, gemma):

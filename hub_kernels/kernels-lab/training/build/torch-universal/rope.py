@@ -23,8 +23,10 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    PlanCache,
     as_rows,
     cdiv,
+    config_is_final,
     fast_launch,
     graph_is_freed,
     next_pow2,
@@ -281,62 +283,148 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=
     `out`: per tensor, where to write: None for a new tensor laid out like the input; a tensor
     shaped like it with unit head_dim stride (a view into one fused buffer); or the input itself,
     to rotate in place (no two elements at one address; each program reads its elements before
-    it writes them). The caller owns any aliasing and the version counters.
+    it writes them). The caller owns any aliasing and the version counters. A call without `cfg`
+    runs the plan its key maps to (see `_RotatePlan`).
     """
-    qo = _out_like(q) if out[0] is None else out[0]
-    ko = _out_like(k) if out[1] is None else out[1]
-    qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
-    qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
-    b, hq, t, d = qv.shape
-    hk = kv.shape[1]
-    n_tokens = b * t
-    if n_tokens == 0 or hq + hk == 0:
-        return qo, ko
-    half = d // 2
-    if repeats is _ASK:  # asked of the caller's tensors: a copy made below would be new each call
-        repeats = halves_repeat(cos, sin)
-    cos, sin = _unit_last(cos), _unit_last(sin)
-    flagged = isinstance(repeats, torch.Tensor)
-    # Strides read once per call (host work counts: the training step is host-bound). A cos/sin
-    # batch of 1 is broadcast with a zero batch stride.
-    sq, sk, sqo, sko, sc, ss = (x.stride() for x in (qv, kv, qov, kov, cos, sin))
-    sc_b = sc[0] if cos.shape[0] == b else 0
-    ss_b = ss[0] if sin.shape[0] == b else 0
-    # On the CPU the Triton path runs only in the interpreter, which keeps bfloat16 as integers.
-    upcast = not q.is_cuda and torch.bfloat16 in (q.dtype, k.dtype, cos.dtype, sin.dtype)
+    oq, ok = out
+    # Everything the plan's constants derive from: the layouts and dtypes of q, k, cos, sin and
+    # of any given outputs (and whether they are q and k themselves), device and direction.
+    key = (q.shape, q.stride(), k.shape, k.stride(), cos.shape, cos.stride(), sin.shape,
+           sin.stride(), q.dtype, k.dtype, cos.dtype, sin.dtype, q.device, unsqueeze_dim,
+           backward, oq is None or (oq is q, oq.stride(), oq.dtype),
+           ok is None or (ok is k, ok.stride(), ok.dtype))  # fmt: skip
+    if cfg is not None:
+        return _RotatePlan(q, k, cos, sin, unsqueeze_dim, backward, out)(q, k, cos, sin, repeats,
+                                                                         out, cfg)  # fmt: skip
+    plan = _ROTATE_PLANS.get(key)
+    if plan is None:
+        plan = _RotatePlan(q, k, cos, sin, unsqueeze_dim, backward, out)
+        _ROTATE_PLANS.keep(key, plan)
+    return plan(q, k, cos, sin, repeats, out)
 
-    def launch(c, qd=qov, kd=kov, sqo=sqo, sko=sko):
-        _rope_kernel[(cdiv(n_tokens, c["BLOCK_T"]),)](
-            qv, kv, qd, kd, cos, sin, repeats if flagged else cos, n_tokens, t,
-            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
-            sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
-            sc_b, sc[1], ss_b, ss[1],
-            HQ=hq, HK=hk, HALF=half,
-            BLOCK_HQ=next_pow2(max(hq, 1)), BLOCK_HK=next_pow2(max(hk, 1)), BLOCK_D=next_pow2(half),
-            BLOCK_T=c["BLOCK_T"], BACKWARD=backward, EVEN_T=n_tokens % c["BLOCK_T"] == 0,
-            REPEATED=repeats is True, FLAGGED=flagged, UPCAST=upcast, num_warps=c["num_warps"],
-        )  # fmt: skip
 
-    if cfg is None:
+class _RotatePlan:
+    """What a rotate call's key fixes: output layouts, which inputs need a unit head_dim copy,
+    every stride the kernel takes, the constexprs; per kind of `repeats` answer (True, False or
+    None, a device flag), the config and the bound launch once chosen."""
+
+    __slots__ = ("ud", "backward", "empty", "qo_strides", "ko_strides", "copy", "scalars",
+                 "constexprs", "tune_key", "candidates", "n_tokens", "launches",
+                 "first")  # fmt: skip
+
+    def __init__(self, q, k, cos, sin, unsqueeze_dim, backward, out) -> None:
+        self.ud, self.backward = unsqueeze_dim, backward
+        # The outputs' layouts (empty_like's, which no stride formula here would match for
+        # every size-1 dim); the new ones made here are the first call's outputs.
+        qo = _out_like(q) if out[0] is None else out[0]
+        ko = _out_like(k) if out[1] is None else out[1]
+        self.qo_strides, self.ko_strides = qo.stride(), ko.stride()
+        self.first = (qo if out[0] is None else None, ko if out[1] is None else None)
+        qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
+        qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
+        b, hq, t, d = qv.shape
+        hk = kv.shape[1]
+        n_tokens = self.n_tokens = b * t
+        self.empty = n_tokens == 0 or hq + hk == 0
+        # Which of q, k, cos, sin the call copies to a unit head_dim stride.
+        self.copy = tuple(x.stride(-1) != 1 for x in (q, k, cos, sin))
+        cos, sin = _unit_last(cos), _unit_last(sin)
+        sq, sk, sqo, sko, sc, ss = (x.stride() for x in (qv, kv, qov, kov, cos, sin))
+        # A cos/sin batch of 1 is broadcast with a zero batch stride.
+        sc_b = sc[0] if cos.shape[0] == b else 0
+        ss_b = ss[0] if sin.shape[0] == b else 0
+        self.scalars = (n_tokens, t, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+                        sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
+                        sc_b, sc[1], ss_b, ss[1])  # fmt: skip
+        half = d // 2
+        # On the CPU the Triton path runs only in the interpreter, which keeps bfloat16 as
+        # integers.
+        upcast = not q.is_cuda and torch.bfloat16 in (q.dtype, k.dtype, cos.dtype, sin.dtype)
+        self.constexprs = {"HQ": hq, "HK": hk, "HALF": half, "BLOCK_HQ": next_pow2(max(hq, 1)),
+                           "BLOCK_HK": next_pow2(max(hk, 1)), "BLOCK_D": next_pow2(half),
+                           "BACKWARD": backward, "UPCAST": upcast}  # fmt: skip
+        self.tune_key = ("rope", n_tokens.bit_length(), hq, hk, d, q.dtype, cos.dtype, q.device)
+        self.candidates = rope_candidates(hq, hk, d)
+        self.launches: dict = {}
+
+    def __call__(self, q, k, cos, sin, repeats, out, cfg=None):
+        ud = self.ud
+        qo, ko = out
+        first = self.first
+        if first is not None:  # the plan's first call: outputs made while planning
+            self.first = None
+            qo = first[0] if qo is None else qo
+            ko = first[1] if ko is None else ko
+        if qo is None:
+            qo = torch.empty_strided(q.shape, self.qo_strides, dtype=q.dtype, device=q.device)
+        if ko is None:
+            ko = torch.empty_strided(k.shape, self.ko_strides, dtype=k.dtype, device=k.device)
+        if self.empty:
+            return qo, ko
+        # Asked of the caller's tensors: a copy made below would be new each call.
+        if repeats is _ASK:
+            repeats = halves_repeat(cos, sin)
+        copy_q, copy_k, copy_c, copy_s = self.copy
+        # The kernel takes base pointers and strides: q itself stands for its [B, H, T, D] view.
+        qv = _to_bhtd(q, ud).contiguous() if copy_q else q
+        kv = _to_bhtd(k, ud).contiguous() if copy_k else k
+        if copy_c:
+            cos = cos.contiguous()
+        if copy_s:
+            sin = sin.contiguous()
+        flagged = isinstance(repeats, torch.Tensor)
         # Each kernel variant gets its own timing; None and False launch the same one.
-        answer = "flag" if flagged else repeats is True
-        key = ("rope", n_tokens.bit_length(), hq, hk, d, q.dtype, cos.dtype, q.device, answer)
-        tune = launch
-        if qo is q or ko is k:
-            # In place: every timing launch would rotate q and k once more. The tuner times
-            # launches into scratch outputs instead, made only when it launches (a shape's
-            # first call), and the winner runs here.
-            scratch = []
+        kind = "flag" if flagged else repeats is True
+        launch = self.launches.get(kind)
+        if launch is None or cfg is not None:
+            launch = self._choose(kind, q, k, qv, kv, qo, ko, cos, sin, repeats, cfg)
+        launch(qv, kv, qo, ko, cos, sin, repeats if flagged else cos, *self.scalars)
+        return qo, ko
 
-            def tune(c):
-                if not scratch:
-                    qs, ks = (_to_bhtd(_out_like(x), unsqueeze_dim) for x in (q, k))
-                    scratch.extend((qs, ks, qs.stride(), ks.stride()))
-                launch(c, *scratch)
+    def _kwargs(self, c, kind) -> dict:
+        return {**self.constexprs, "BLOCK_T": c["BLOCK_T"],
+                "EVEN_T": self.n_tokens % c["BLOCK_T"] == 0, "REPEATED": kind is True,
+                "FLAGGED": kind == "flag", "num_warps": c["num_warps"]}  # fmt: skip
 
-        cfg = pick_config(key, rope_candidates(hq, hk, d), tune, cold=q.device)
-    launch(cfg)
-    return qo, ko
+    def _choose(self, kind, q, k, qv, kv, qo, ko, cos, sin, repeats, cfg):
+        """The bound launch for `cfg`, or for the config picked for this key and `kind` (timed
+        on a GPU's first call); kept when the pick is final."""
+        ud = self.ud
+        grid_of = lambda c: (cdiv(self.n_tokens, c["BLOCK_T"]),)  # noqa: E731
+        flag = repeats if kind == "flag" else cos
+        keep = cfg is None
+        if cfg is None:
+
+            def launch(c, qd=qo, kd=ko, sqo=self.scalars[8:11], sko=self.scalars[11:14]):
+                s = self.scalars
+                _rope_kernel[grid_of(c)](
+                    qv, kv, qd, kd, cos, sin, flag, *s[:8], *sqo, *sko, *s[14:],
+                    **self._kwargs(c, kind),
+                )  # fmt: skip
+
+            tune = launch
+            if qo is q or ko is k:
+                # In place: every timing launch would rotate q and k once more. The tuner times
+                # launches into scratch outputs instead, made only when it launches (a shape's
+                # first call), and the winner runs here.
+                scratch = []
+
+                def tune(c):
+                    if not scratch:
+                        qs, ks = (_to_bhtd(_out_like(x), ud) for x in (q, k))
+                        scratch.extend((qs, ks, qs.stride()[:3], ks.stride()[:3]))
+                    launch(c, *scratch)
+
+            key = (*self.tune_key, kind)
+            cfg = pick_config(key, self.candidates, tune, cold=q.device)
+            keep = config_is_final(key, self.candidates)
+        bound = _rope_kernel.bound(grid_of(cfg), self._kwargs(cfg, kind))
+        if keep:
+            self.launches[kind] = bound
+        return bound
+
+
+_ROTATE_PLANS = PlanCache()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

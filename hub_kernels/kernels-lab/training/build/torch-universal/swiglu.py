@@ -18,12 +18,25 @@ its backward writes d(gate_up) over gate_up itself, one tensor, so nothing downs
 concatenate two half gradients into a new buffer either.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, fast_launch, flat, graph_is_freed, op_name, use_triton
+from ._common import (
+    PlanCache,
+    as_rows,
+    cdiv,
+    contiguous_strides,
+    fast_launch,
+    flat,
+    graph_is_freed,
+    op_name,
+    rows_stride,
+    use_triton,
+)
 
 SILU, GELU_TANH, GELU_ERF, RELU_SQUARED = 0, 1, 2, 3
 
@@ -157,17 +170,49 @@ def _glu_rows(a: torch.Tensor, b: torch.Tensor):
 
 
 def glu_forward(a, b, act, cfg=None):
-    """Triton act(a) * b for a, b of one shape."""
-    a2, b2, n, contig = _glu_rows(a, b)
-    c = torch.empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
-    numel = c.numel()
-    if numel:
-        cfg = cfg or elementwise_config(numel)
-        _glu_fwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
-            a2, b2, c, numel, n, a2.stride(0), b2.stride(0),
-            ACT=act, CONTIG=contig, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
-        )  # fmt: skip
-    return c
+    """Triton act(a) * b for a, b of one shape. A call without `cfg` runs the plan its key maps
+    to (row strides, the output's dtype and strides, scalars, the bound launch)."""
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, act, cfg is None)
+    plan = _GLU_FORWARD_PLANS.get(key) if cfg is None else None
+    if plan is None:
+        plan = _GLUForwardPlan(a, b, act, cfg)
+        if cfg is None:
+            _GLU_FORWARD_PLANS.keep(key, plan)
+    return plan(a, b)
+
+
+class _GLUForwardPlan:
+    __slots__ = ("n", "shape", "strides", "dtype", "device", "a_rows", "b_rows", "args", "launch")
+
+    def __init__(self, a, b, act, cfg) -> None:
+        a2, b2, n, contig = _glu_rows(a, b)
+        self.n, self.shape, self.device = n, a.shape, a.device
+        self.strides = contiguous_strides(a.shape)
+        self.dtype = torch.promote_types(a.dtype, b.dtype)
+        self.a_rows, self.b_rows = rows_stride(a, n) is not None, rows_stride(b, n) is not None
+        numel = a.numel()
+        self.args = (numel, n, a2.stride(0), b2.stride(0))
+        self.launch = None
+        if numel:
+            cfg = cfg or elementwise_config(numel)
+            self.launch = _glu_fwd_kernel.bound(
+                (cdiv(numel, cfg["BLOCK"]),),
+                {
+                    "ACT": act,
+                    "CONTIG": contig,
+                    "BLOCK": cfg["BLOCK"],
+                    "num_warps": cfg["num_warps"],
+                },
+            )
+
+    def __call__(self, a, b):
+        c = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+        if self.launch is not None:
+            # a and b themselves stand for their row views (one base pointer), else copies.
+            a2 = a if self.a_rows else as_rows(a, self.n)
+            b2 = b if self.b_rows else as_rows(b, self.n)
+            self.launch(a2, b2, c, *self.args)
+        return c
 
 
 def glu_backward(dc, a, b, act, cfg=None, out=None, product=None):
@@ -175,29 +220,77 @@ def glu_backward(dc, a, b, act, cfg=None, out=None, product=None):
 
     `out`: optional (da, db) to write into, each [..., N] with unit stride along N (for example
     the two halves of one [rows, 2N] buffer). `product`: optional contiguous tensor shaped like
-    dc (it may be dc itself) that receives the forward's act(a) * b in the same pass.
+    dc (it may be dc itself) that receives the forward's act(a) * b in the same pass. A call
+    without `cfg` runs the plan its key maps to.
     """
-    a2, b2, n, contig = _glu_rows(a, b)
-    if out is None:
-        da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-        db = torch.empty(b.shape, dtype=b.dtype, device=b.device)
-    else:
-        da, db = out
-    if product is not None and not (product.is_contiguous() and dc.is_contiguous()):
-        raise ValueError("glu_backward writes `product` at dc's flat offsets: both contiguous")
-    da2, db2 = da.view(-1, n), db.view(-1, n)
-    out_contig = (da2.stride(0) == n and db2.stride(0) == n) or da2.shape[0] <= 1
-    numel = da.numel()
-    if numel:
-        cfg = cfg or elementwise_config(numel)
-        dc1 = flat(dc)
-        _glu_bwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
-            dc1, a2, b2, da2, db2, dc1 if product is None else product, numel, n,
-            a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0), ACT=act, CONTIG=contig,
-            OUT_CONTIG=out_contig, WRITE_C=product is not None, BLOCK=cfg["BLOCK"],
-            num_warps=cfg["num_warps"],
-        )  # fmt: skip
-    return da, db
+    key = (dc.shape, dc.stride(), dc.dtype, a.shape, a.stride(), b.shape, b.stride(), a.dtype,
+           b.dtype, a.device, act, cfg is None,
+           out is None or (out[0].stride(), out[0].dtype, out[1].stride(), out[1].dtype),
+           product is None or (product.stride(), product.dtype))  # fmt: skip
+    plan = _GLU_BACKWARD_PLANS.get(key) if cfg is None else None
+    if plan is None:
+        plan = _GLUBackwardPlan(dc, a, b, act, cfg, out, product)
+        if cfg is None:
+            _GLU_BACKWARD_PLANS.keep(key, plan)
+    return plan(dc, a, b, out, product)
+
+
+class _GLUBackwardPlan:
+    __slots__ = ("n", "a_shape", "b_shape", "a_strides", "b_strides", "a_dtype", "b_dtype",
+                 "device", "a_rows", "b_rows", "dc_flat", "bad_product", "args",
+                 "launch")  # fmt: skip
+
+    def __init__(self, dc, a, b, act, cfg, out, product) -> None:
+        a2, b2, n, contig = _glu_rows(a, b)
+        self.n, self.device = n, a.device
+        self.a_shape, self.b_shape = a.shape, b.shape
+        self.a_strides, self.b_strides = contiguous_strides(a.shape), contiguous_strides(b.shape)
+        self.a_dtype, self.b_dtype = a.dtype, b.dtype
+        self.a_rows, self.b_rows = rows_stride(a, n) is not None, rows_stride(b, n) is not None
+        self.dc_flat = dc.is_contiguous()  # dc itself is its flat view, else a copy per call
+        self.bad_product = product is not None and not (
+            product.is_contiguous() and dc.is_contiguous()
+        )
+        if out is None:
+            da = torch.empty_strided(a.shape, self.a_strides, dtype=a.dtype, device="meta")
+            db = torch.empty_strided(b.shape, self.b_strides, dtype=b.dtype, device="meta")
+        else:
+            da, db = out
+        da2, db2 = da.view(-1, n), db.view(-1, n)
+        out_contig = (da2.stride(0) == n and db2.stride(0) == n) or da2.shape[0] <= 1
+        numel = da.numel()
+        self.args = (numel, n, a2.stride(0), b2.stride(0), da2.stride(0), db2.stride(0))
+        self.launch = None
+        if numel:
+            cfg = cfg or elementwise_config(numel)
+            self.launch = _glu_bwd_kernel.bound(
+                (cdiv(numel, cfg["BLOCK"]),),
+                {"ACT": act, "CONTIG": contig, "OUT_CONTIG": out_contig,
+                 "WRITE_C": product is not None, "BLOCK": cfg["BLOCK"],
+                 "num_warps": cfg["num_warps"]},
+            )  # fmt: skip
+
+    def __call__(self, dc, a, b, out, product):
+        dev = self.device
+        if out is None:
+            da = torch.empty_strided(self.a_shape, self.a_strides, dtype=self.a_dtype, device=dev)
+            db = torch.empty_strided(self.b_shape, self.b_strides, dtype=self.b_dtype, device=dev)
+        else:
+            da, db = out
+        if self.bad_product:
+            raise ValueError("glu_backward writes `product` at dc's flat offsets: both contiguous")
+        if self.launch is not None:
+            n = self.n
+            dc1 = dc if self.dc_flat else flat(dc)
+            a2 = a if self.a_rows else as_rows(a, n)
+            b2 = b if self.b_rows else as_rows(b, n)
+            # da and db stand for their [rows, n] views (one base pointer each).
+            self.launch(dc1, a2, b2, da, db, dc1 if product is None else product, *self.args)
+        return da, db
+
+
+_GLU_FORWARD_PLANS = PlanCache()
+_GLU_BACKWARD_PLANS = PlanCache()
 
 
 def _torch_act(x: torch.Tensor, act: int) -> torch.Tensor:
@@ -251,11 +344,21 @@ def _act_forward_any(x, act):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     numel = y.numel()
     if numel:
-        cfg = elementwise_config(numel)
-        _act_fwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
-            flat(x), y, numel, ACT=act, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"]
-        )
+        _act_launch(numel, act, None)(flat(x), y, numel)
     return y
+
+
+@functools.lru_cache(maxsize=256)  # asked per call; a BoundLaunch is shared, never mutated
+def _act_launch(numel: int, act: int, write_y: bool | None):
+    """The bound launch of the activation's forward (`write_y` None) or backward kernel over
+    `numel` elements: everything but the tensors and numel is fixed by these three."""
+    cfg = elementwise_config(numel)
+    grid, kwargs = (cdiv(numel, cfg["BLOCK"]),), {"ACT": act, "BLOCK": cfg["BLOCK"]}
+    if write_y is None:
+        return _act_fwd_kernel.bound(grid, {**kwargs, "num_warps": cfg["num_warps"]})
+    return _act_bwd_kernel.bound(
+        grid, {**kwargs, "WRITE_Y": write_y, "num_warps": cfg["num_warps"]}
+    )
 
 
 def _act_backward_any(dy, x, act, out=None, product=None):
@@ -272,12 +375,10 @@ def _act_backward_any(dy, x, act, out=None, product=None):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     numel = dx.numel()
     if numel:
-        cfg = elementwise_config(numel)
         dy1 = flat(dy)
-        _act_bwd_kernel[(cdiv(numel, cfg["BLOCK"]),)](
-            dy1, flat(x), dx, dy1 if product is None else product, numel, ACT=act,
-            WRITE_Y=product is not None, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
-        )  # fmt: skip
+        _act_launch(numel, act, product is not None)(
+            dy1, flat(x), dx, dy1 if product is None else product, numel
+        )
     return dx
 
 
