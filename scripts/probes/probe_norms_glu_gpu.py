@@ -169,14 +169,14 @@ def e2e(kt) -> list[dict]:
 
 def candidate_geometries(rn, m: int, n: int, explore: bool = False) -> list[tuple[str, dict]]:
     """(label, cfg): the shipped candidates (the default first), then (with `explore`)
-    one-program-per-SM geometries in no list."""
+    geometries in no list (one or more programs per SM)."""
     block_n = rn.next_pow2(n)
     m_pow2 = rn.next_pow2(m)
 
     def cfg(tile, warps, prefetch=False, acc_2d=False, reload=0, stages=1, per_sm=1):
         return rn._geometry(block_n, m_pow2, tile, warps, per_sm, prefetch, acc_2d, reload, stages)
 
-    out = [("shipped", c) for c in rn.bwd_candidates(m, n)]
+    out = [("shipped", c) for c in rn.bwd_candidates(m, n, spread=True)]
     if not explore:
         return out
     if block_n <= 512:  # short rows: more warps, per-row dW partials, 1 to 4 tiles of 4096

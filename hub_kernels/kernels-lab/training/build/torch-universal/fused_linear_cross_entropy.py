@@ -2,9 +2,9 @@
 
 ``loss = cross_entropy(hidden @ weight.T + bias, target)`` with the options of
 ``cross_entropy.cross_entropy``. The tokens are cut into chunks of ``chunk_rows`` rows; for each
-chunk one [chunk_rows, V] buffer (reused) receives the logits from a cuBLAS matmul, the
-cross-entropy kernel overwrites it with d(loss)/d(logits), and two more matmuls turn it into that
-chunk's rows of d(hidden) and its contribution to d(weight). The gradients are therefore computed
+chunk one [chunk_rows, V] buffer (reused; its rows padded to 64 elements) receives the logits
+from a cuBLAS matmul, the cross-entropy kernel overwrites it with d(loss)/d(logits), and two more
+matmuls turn it into that chunk's rows of d(hidden) and its contribution to d(weight). The gradients are therefore computed
 in the forward (6·N·H·V flops in all) and the backward only rescales them by grad_output, which is
 skipped on the device when grad_output is 1.
 
@@ -115,18 +115,17 @@ def _chunked(
     vocab = weight.shape[0]
     need_x, need_w, need_b = need
     write_grad = need_x or need_w or need_b
+    vpad = -(-vocab // 64) * 64  # the buffer's row length (below); the budgets count it
     rows = opts.chunk_rows or min(
-        default_chunk_rows(n, vocab, hidden.element_size()),
-        row_cap(hidden.shape[1], vocab, hidden.element_size()),
+        default_chunk_rows(n, vpad, hidden.element_size()),
+        row_cap(hidden.shape[1], vpad, hidden.element_size()),
     )
     # An odd vocabulary (GPT-2's 50257) made cuBLAS's three matmuls 5x slower (H200, N8192
     # H2048: 40.7 ms against 8.1 for torch.compile, which pads): every vocabulary-sized dimension
     # and row stride of theirs was odd. Now the chunk's rows are padded to 64 elements (the chunk
     # is a [rows, V] view) and each matmul is split at the last multiple of 64 below V: an
     # aligned bulk, and a remainder of < 64 vocabulary rows. Nothing is copied.
-    padded = torch.empty(
-        min(rows, n), -(-vocab // 64) * 64, dtype=hidden.dtype, device=hidden.device
-    )
+    padded = torch.empty(min(rows, n), vpad, dtype=hidden.dtype, device=hidden.device)
     buf = padded[:, :vocab]
     bulk = vocab - vocab % 64
     cols = [slice(0, bulk), slice(bulk, vocab)] if 0 < bulk < vocab else [slice(0, vocab)]

@@ -307,20 +307,22 @@ def _fwd_candidates(m_pow2: int, n: int) -> list[dict]:
     return [cfg(4096, 8), cfg(4096, 4), cfg(8192, 8), cfg(8192, 4), cfg(2048, 4)]
 
 
-def bwd_candidates(m: int, n: int, dw: bool = True, row_bytes: int = 4) -> list[dict]:
+def bwd_candidates(
+    m: int, n: int, dw: bool = True, row_bytes: int = 4, spread: bool = False
+) -> list[dict]:
     """Persistent-backward geometries worth timing for this width (the first is the default,
     used untimed on the interpreter, under CUDA-graph capture and for in-place calls).
 
     Each is rows per program-iteration (BLOCK_M), warps, programs per SM, register prefetch of
     the next rows, per-row dW accumulation (ACC_2D), RELOAD and STAGES (see the kernel). With
     `dw` (the weight's gradient is computed) the geometries run one program per SM, so the fp32
-    dW partials are one row per SM, as Liger's, but for one with two per SM at widths up to 2048
-    and 16k+ rows; without `dw` there are no partials and two programs per SM are timed too
-    (small batches gain from them). `row_bytes`, the bytes per
+    dW partials are one row per SM, as Liger's; with `spread` too (plain RMSNorm, where it was
+    measured) one more runs two per SM at widths 513-2048 and more than 8192 rows. Without `dw`
+    there are no partials and two programs per SM are timed too (small batches gain from them). `row_bytes`, the bytes per
     column of the row tensors read (dy, x and any ds: 4 for two bf16), drops the STAGES
     geometries whose shared-memory buffers would not fit (see `stage_bytes`).
     """
-    return _bwd_candidates(next_pow2(m), n, dw, row_bytes)
+    return _bwd_candidates(next_pow2(m), n, dw, row_bytes, spread)
 
 
 # Shared memory the STAGES buffers may take: what an A100 grants one program (164 KiB) less the
@@ -352,7 +354,7 @@ def _geometry(block_n: int, m_pow2: int, tile: int, warps: int, per_sm: int = 1,
 # width was measured, its best first, then the rest the tuner may prefer at other row counts.
 # RELOAD and STAGES await that measurement (they came after it).
 @functools.lru_cache(maxsize=1024)  # asked on every call; shared, never mutated
-def _bwd_candidates(m_pow2: int, n: int, dw: bool, row_bytes: int) -> list[dict]:
+def _bwd_candidates(m_pow2: int, n: int, dw: bool, row_bytes: int, spread: bool) -> list[dict]:
     block_n = next_pow2(n)
     cfg = functools.partial(_geometry, block_n, m_pow2)
     if block_n <= 512:  # q/k norms: many short rows per program
@@ -381,7 +383,7 @@ def _bwd_candidates(m_pow2: int, n: int, dw: bool, row_bytes: int) -> list[dict]
                 cfg(16384, 16, prefetch=True), cfg(block_n, 16), cfg(8192, 16, stages=2)]  # fmt: skip
     if not dw:  # no partials: two programs per SM cost no memory
         wide += [cfg(4096, 8, 2, True), cfg(4096, 4, 2)]
-    elif block_n <= 2048 and m_pow2 >= 16384:
+    elif spread and block_n <= 2048 and m_pow2 >= 16384:
         # Many rows of 1-2k: one program per SM cannot keep enough rows in flight; two small
         # programs per SM with register prefetch took the backward from 0.182 to 0.117 ms at
         # 65536x1024 (0.64x, and 0.43 against 0.64 at 262144x1024; H200 probe), for one more
@@ -648,7 +650,10 @@ class _BackwardPlan:
                    self.from_y, self.has_ds)  # fmt: skip
             cfg = cached_config(key)  # a config an earlier call (or plan) timed
             if cfg is None:
-                candidates = bwd_candidates(m, n, self.compute_dw, self.row_bytes)
+                # Two programs per SM only for plain RMSNorm: measured there, and one row of
+                # partials per SM more (LayerNorm's dB and the fused add's ds were not timed).
+                spread = not self.has_ds
+                candidates = bwd_candidates(m, n, self.compute_dw, self.row_bytes, spread)
                 # Timing launches several times, and a launch after the first would read a dx
                 # as dy: in place takes the geometry an earlier out-of-place call timed, or
                 # the default (not kept: a later out-of-place call may time another).
