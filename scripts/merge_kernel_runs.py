@@ -78,15 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         last = runs[-1]
         ceil = Ceilings(**last["ceilings"])
         merged = {**last, "rows": rows, "dates": [r["env"]["date"] for r in runs]}
-        prefix = args.sweep_out
-        prefix.with_suffix(".json").write_text(json.dumps(merged, indent=1))
+
+        def out(suffix: str) -> Path:  # not with_suffix: a prefix like "sweep-v1.2" keeps ".2"
+            return args.sweep_out.parent / (args.sweep_out.name + suffix)
+
+        out(".json").write_text(json.dumps(merged, indent=1))
         header = " ".join(f"{k} {v};" for k, v in last["env"].items() if k != "date")
         dates = ", ".join(merged["dates"])
-        prefix.with_suffix(".md").write_text(
-            f"runs {dates}; {header}\n\n{format_table(rows, ceil)}\n"
-        )
+        out(".md").write_text(f"runs {dates}; {header}\n\n{format_table(rows, ceil)}\n")
         try:
-            plot(rows, prefix.with_suffix(".png"))
+            plot(rows, out(".png"))
         except ImportError as exc:  # matplotlib is not a dependency of the package
             print(f"no plot: {exc}", file=sys.stderr)
         return 0

@@ -80,8 +80,9 @@ MUTATIONS = [
         "rms-bwd-config-ignored",
         "issue 20.1: a tuned launch config handed to a path that ignores it",
         f"{TRAINING}/rms_norm.py",
-        "    part = launch(cfg)\n",
-        "    part = launch(bwd_candidates(m, n)[0])\n",
+        "        programs, rows_per_program = _bwd_programs(m, cfg, self.device)\n",
+        "        cfg = bwd_candidates(m, n)[0]\n"
+        "        programs, rows_per_program = _bwd_programs(m, cfg, self.device)\n",
         cpu=(f"{KT}/test_rms_norm.py::test_every_backward_candidate",),
         gpu=(f"{GPU_KERNELS}::test_rms_norm_every_candidate",),
     ),

@@ -187,7 +187,7 @@ def test_default_paths_never_wait_for_the_gpu(kt, ce, fl, num_items):
         num_items = torch.tensor(3000)
     elif num_items == "device-tensor":
         num_items = torch.tensor(3000, device="cuda")
-    n, hdim, vocab = 4096, 256, 50257  # rows not 16-byte aligned; 4 chunks of tokens below
+    n, hdim, vocab = 4096, 256, 50257  # CE rows not 16-byte aligned (the fused CE pads its own)
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(vocab, hdim, device="cuda") * hdim**-0.5 * 2).bfloat16().requires_grad_()
