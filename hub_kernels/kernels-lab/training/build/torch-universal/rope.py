@@ -404,6 +404,42 @@ rope.register_autograd(_backward, setup_context=_setup_context)
 # the returned tensors, not q and k, after the call (transformers' call sites rebind the names).
 
 
+def _storage_count_alone() -> int | None:
+    """The storage use count this torch reports for a tensor that alone holds its storage, or
+    None when the private counters the in-place checks read are missing or do not count holders
+    the way the checks need. Measured, not assumed: torch 2.5 to 2.x count the tensors holding
+    the storage (1), later releases also the Python storage object that ``untyped_storage()``
+    returns (2); see docs/compatibility.md."""
+    try:
+        count = torch._C._storage_Use_Count
+        overlap = torch._debug_has_internal_overlap
+        # Plain CPU tensors with autograd's view tracking, whatever mode imports this module.
+        with torch.inference_mode(False):
+            base = torch.empty(4, device="cpu")
+            alone = count(base.untyped_storage()._cdata)
+            uses = [base._use_count()]  # its Python object's reference
+            view = base.view(2, 2)
+            uses.append(base._use_count())  # and the view's
+            del base  # the view's _base keeps it: two holders
+            with_base = count(view.untyped_storage()._cdata)
+            sibling = view._base.view(4)
+            with_sibling = count(view.untyped_storage()._cdata)
+            dense, expanded = overlap(sibling), overlap(sibling[:1].expand(4))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    sane = (
+        alone in (1, 2)
+        and (with_base, with_sibling) == (alone + 1, alone + 2)
+        and uses == [1, 2]
+        and (dense, expanded) == (0, 1)
+    )
+    return alone if sane else None
+
+
+# Decided once per process: the checks below run on every eager call.
+_ALONE = _storage_count_alone()
+
+
 def _own_memory(x: torch.Tensor) -> bool:
     """Whether x's memory may take its rotation: no other tensor holds x's storage (only x and
     the tensor it views), x is no leaf that requires grad, nor a view of one (a parameter or an
@@ -411,7 +447,7 @@ def _own_memory(x: torch.Tensor) -> bool:
     a unit head_dim stride (each element once, where the kernel writes); nor a parameter or a
     view of one, even frozen. A Python reference the caller keeps to q's base (the projection's
     output) is not seen: that tensor reads the rotated values after the call."""
-    if x.stride(-1) != 1 or x.is_inference():
+    if _ALONE is None or x.stride(-1) != 1 or x.is_inference():
         return False
     if (x.requires_grad and x.is_leaf) or isinstance(x, torch.nn.Parameter):
         return False
@@ -420,12 +456,13 @@ def _own_memory(x: torch.Tensor) -> bool:
         (base.requires_grad and base.is_leaf) or isinstance(base, torch.nn.Parameter)
     ):
         return False
-    # Holders of the storage: x, its base, the storage object made here. Any other is a tensor
+    # Holders of the storage: x, its base (and the storage object made here, where this torch
+    # counts it: _ALONE). Any other is a tensor
     # that could read the memory after the rotation: an op that saved its output for its
     # backward (a sigmoid; MemoryEfficientRMSNorm as q_norm), a sibling view (a split of a fused
     # qkv, whose outputs autograd forbids to change under a bumped version counter), a view the
     # caller kept. In place would turn their backward into autograd's error: a new buffer then.
-    holders = 2 if base is None else 3
+    holders = _ALONE if base is None else _ALONE + 1
     if torch._C._storage_Use_Count(x.untyped_storage()._cdata) != holders:
         return False
     return torch._debug_has_internal_overlap(x) == 0  # 0: no two elements share an address
@@ -445,10 +482,10 @@ def _private_grad(g: torch.Tensor) -> bool:
     both), a view of a larger gradient or an expanded one all fail it. A Python reference kept
     by a tensor hook is not counted, as for the engine's own in-place accumulation: a hook that
     keeps a gradient must clone it."""
-    if g._use_count() != 1 or g.stride(-1) != 1:
+    if _ALONE is None or g._use_count() != 1 or g.stride(-1) != 1:
         return False
-    # One holder besides the storage object made here: g itself.
-    if torch._C._storage_Use_Count(g.untyped_storage()._cdata) != 2:
+    # No holder but g itself.
+    if torch._C._storage_Use_Count(g.untyped_storage()._cdata) != _ALONE:
         return False
     return torch._debug_has_internal_overlap(g) == 0
 
