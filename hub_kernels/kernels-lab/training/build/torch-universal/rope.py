@@ -436,8 +436,35 @@ def _storage_count_alone() -> int | None:
     return alone if sane else None
 
 
+def _gradient_uses_alone() -> int | None:
+    """The use count of an unshared gradient as an autograd Function's backward receives it,
+    or None where it cannot be measured. torch 2.13 hands the gradient over (1); torch 2.5 to
+    2.12 keep a reference of their own to it while the backward runs (2)."""
+    uses = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            uses.append(g._use_count())
+            return g
+
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.zeros(2, device="cpu", requires_grad=True)
+            # Mul's backward makes the gradient Probe receives: a new tensor, held by no one.
+            torch.autograd.backward(Probe.apply(x) * 2.0, torch.ones(2))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return uses[0] if len(uses) == 1 and uses[0] in (1, 2) else None
+
+
 # Decided once per process: the checks below run on every eager call.
 _ALONE = _storage_count_alone()
+_GRAD_USES = _gradient_uses_alone() if _ALONE is not None else None
 
 
 def _own_memory(x: torch.Tensor) -> bool:
@@ -456,12 +483,12 @@ def _own_memory(x: torch.Tensor) -> bool:
         (base.requires_grad and base.is_leaf) or isinstance(base, torch.nn.Parameter)
     ):
         return False
-    # Holders of the storage: x, its base (and the storage object made here, where this torch
-    # counts it: _ALONE). Any other is a tensor
-    # that could read the memory after the rotation: an op that saved its output for its
-    # backward (a sigmoid; MemoryEfficientRMSNorm as q_norm), a sibling view (a split of a fused
-    # qkv, whose outputs autograd forbids to change under a bumped version counter), a view the
-    # caller kept. In place would turn their backward into autograd's error: a new buffer then.
+    # Holders of the storage: x, its base, and the storage object made here where this torch
+    # counts it (_ALONE). Any other is a tensor that could read the memory after the rotation:
+    # an op that saved its output for its backward (a sigmoid; MemoryEfficientRMSNorm as
+    # q_norm), a sibling view (a split of a fused qkv, whose outputs autograd forbids to change
+    # under a bumped version counter), a view the caller kept. In place would turn their
+    # backward into autograd's error: a new buffer then.
     holders = _ALONE if base is None else _ALONE + 1
     if torch._C._storage_Use_Count(x.untyped_storage()._cdata) != holders:
         return False
@@ -476,13 +503,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _private_grad(g: torch.Tensor) -> bool:
     """Whether the incoming gradient g may be overwritten: the test autograd's engine applies
-    before it accumulates into a gradient in place (one reference to g's tensor, one tensor on
-    its storage), and dense with a unit head_dim stride. A root gradient the caller passed
+    before it accumulates into a gradient in place (no reference to g's tensor but those an
+    unshared gradient arrives with, _GRAD_USES; one tensor on its storage), and dense with a unit head_dim stride. A root gradient the caller passed
     (``backward(g)``), a gradient another node still waits for (``a + q_rot`` hands one tensor to
     both), a view of a larger gradient or an expanded one all fail it. A Python reference kept
     by a tensor hook is not counted, as for the engine's own in-place accumulation: a hook that
     keeps a gradient must clone it."""
-    if _ALONE is None or g._use_count() != 1 or g.stride(-1) != 1:
+    if _GRAD_USES is None or g._use_count() != _GRAD_USES or g.stride(-1) != 1:
         return False
     # No holder but g itself.
     if torch._C._storage_Use_Count(g.untyped_storage()._cdata) != _ALONE:
