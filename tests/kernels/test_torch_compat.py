@@ -102,8 +102,7 @@ HIDE = {
 
 def _gradient_arrives_alone() -> bool:
     """Whether this torch hands an autograd Function's backward an unshared gradient with one
-    use (torch 2.13; torch 2.5 to 2.11 hold one more reference to it while the backward runs,
-    so the gradient check declines there and the backward takes a new buffer)."""
+    use (torch 2.13), not two (torch 2.5 to 2.12 keep a reference of their own meanwhile)."""
     uses = []
 
     class Probe(torch.autograd.Function):
@@ -122,12 +121,10 @@ def _gradient_arrives_alone() -> bool:
 
 
 def test_this_torch_writes_rope_in_place(kt):
-    """The baseline the tests below take away from: with every API present the forward writes
-    in place (else declining would prove nothing), and so does the backward where this torch
-    hands it the gradient alone."""
+    """The baseline the tests below take away from: with every API present, both the forward
+    and the backward write in place (else declining would prove nothing)."""
     wrote_q, wrote_grad, _ = _rope_fwd_bwd(kt)
-    assert wrote_q
-    assert wrote_grad == _gradient_arrives_alone()
+    assert wrote_q and wrote_grad
 
 
 @pytest.mark.parametrize("api", list(HIDE))
@@ -167,6 +164,42 @@ def test_rope_under_torch_2_5_counting_still_writes_in_place(monkeypatch):
     wrote_q, wrote_grad, _ = _rope_fwd_bwd(kt)
     assert wrote_q
     assert wrote_grad == _gradient_arrives_alone()
+
+
+def _hand_over_as_torch_2_12(monkeypatch):
+    """torch 2.5 to 2.12 keep a reference of their own to the gradient a Function's backward
+    receives while it runs: every use count read during a backward is one higher."""
+    if not _gradient_arrives_alone():
+        pytest.skip("this torch hands gradients over so: test_rope_inplace runs on it as is")
+    real = torch._C.TensorBase._use_count
+
+    def uses(self):
+        return lambda: real(self) + (torch._C._current_graph_task_id() >= 0)
+
+    monkeypatch.setattr(torch.Tensor, "_use_count", property(uses))
+
+
+def test_rope_under_torch_2_12_hand_over_still_writes_the_gradient(monkeypatch):
+    """The gradient's use count is measured too: an unshared one is still written over (the
+    check used to expect one use, and never wrote it on torch 2.5 to 2.12)."""
+    _hand_over_as_torch_2_12(monkeypatch)
+    kt = load_variant()
+    wrote_q, wrote_grad, _ = _rope_fwd_bwd(kt)
+    assert wrote_q and wrote_grad
+
+
+def test_rope_under_torch_2_12_hand_over_keeps_a_gradient_the_caller_passed(monkeypatch):
+    """``backward(g)``: g is the caller's (one use more than an unshared gradient on every
+    torch): not written over."""
+    _hand_over_as_torch_2_12(monkeypatch)
+    kt = load_variant()
+    cos, sin = _cos_sin()
+    _, q, k = _projections()
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    keep = gq.clone(), gk.clone()
+    torch.autograd.backward((qo, ko), (gq, gk))
+    assert torch.equal(gq, keep[0]) and torch.equal(gk, keep[1])
 
 
 def _silu_mul_twice(kt):
