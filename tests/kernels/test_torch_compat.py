@@ -127,6 +127,20 @@ def test_this_torch_writes_rope_in_place(kt):
     assert wrote_q and wrote_grad
 
 
+def test_the_counts_are_measured_the_same_whatever_mode_imports_the_kernels(kt):
+    """Kernels are often loaded while a model is built: under inference_mode, no_grad or a meta
+    default device the import still measures CPU tensors with autograd (else in place would be
+    off for the whole process, or measured from tensors that count otherwise)."""
+    rope = _module(kt, "rope")
+    assert None not in (rope._ALONE, rope._GRAD_USES)
+    with torch.device("meta"), torch.inference_mode():
+        other = _module(load_variant(), "rope")
+    with torch.no_grad():
+        third = _module(load_variant(), "rope")
+    for module in (other, third):
+        assert (module._ALONE, module._GRAD_USES) == (rope._ALONE, rope._GRAD_USES)
+
+
 @pytest.mark.parametrize("api", list(HIDE))
 def test_rope_without_a_use_count_api_declines_in_place(monkeypatch, api):
     """Without any one of the three, nothing can show that q, k or the incoming gradient is

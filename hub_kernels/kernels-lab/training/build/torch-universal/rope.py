@@ -456,7 +456,7 @@ def _gradient_uses_alone() -> int | None:
         with torch.inference_mode(False), torch.enable_grad():
             x = torch.zeros(2, device="cpu", requires_grad=True)
             # Mul's backward makes the gradient Probe receives: a new tensor, held by no one.
-            torch.autograd.backward(Probe.apply(x) * 2.0, torch.ones(2))
+            torch.autograd.backward(Probe.apply(x) * 2.0, torch.ones(2, device="cpu"))
     except (AttributeError, RuntimeError, TypeError):
         return None
     return uses[0] if len(uses) == 1 and uses[0] in (1, 2) else None
