@@ -407,8 +407,8 @@ rope.register_autograd(_backward, setup_context=_setup_context)
 def _storage_count_alone() -> int | None:
     """The storage use count this torch reports for a tensor that alone holds its storage, or
     None when the private counters the in-place checks read are missing or do not count holders
-    the way the checks need. Measured, not assumed: torch 2.5 to 2.x count the tensors holding
-    the storage (1), later releases also the Python storage object that ``untyped_storage()``
+    the way the checks need. Measured, not assumed: torch 2.5 to 2.9 count the tensors holding
+    the storage (1), 2.10 and later also the Python storage object that ``untyped_storage()``
     returns (2); see docs/compatibility.md."""
     try:
         count = torch._C._storage_Use_Count
@@ -503,12 +503,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _private_grad(g: torch.Tensor) -> bool:
     """Whether the incoming gradient g may be overwritten: the test autograd's engine applies
-    before it accumulates into a gradient in place (no reference to g's tensor but those an
-    unshared gradient arrives with, _GRAD_USES; one tensor on its storage), and dense with a unit head_dim stride. A root gradient the caller passed
-    (``backward(g)``), a gradient another node still waits for (``a + q_rot`` hands one tensor to
-    both), a view of a larger gradient or an expanded one all fail it. A Python reference kept
-    by a tensor hook is not counted, as for the engine's own in-place accumulation: a hook that
-    keeps a gradient must clone it."""
+    before it accumulates into a gradient in place (no references to g's tensor but those an
+    unshared gradient arrives with, _GRAD_USES; one tensor on its storage), and dense with a
+    unit head_dim stride. A root gradient the caller passed (``backward(g)``), a gradient
+    another node still waits for (``a + q_rot`` hands one tensor to both), a view of a larger
+    gradient or an expanded one all fail it. A Python reference kept by a tensor hook is not
+    counted, as for the engine's own in-place accumulation: a hook that keeps a gradient must
+    clone it."""
     if _GRAD_USES is None or g._use_count() != _GRAD_USES or g.stride(-1) != 1:
         return False
     # No holder but g itself.
