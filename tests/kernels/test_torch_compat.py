@@ -4,17 +4,14 @@ copy of the kernel package is imported, as a torch of that kind would present it
 still give the float64 answer, and anything that writes in place must decline.
 
 Which torch releases have which API, and what each counts, is in docs/compatibility.md.
-
-No ``from __future__ import annotations`` here: the interpreter of Triton 3.1 (torch 2.5's)
-reads only real ``tl.constexpr`` annotations, and this file has a kernel of its own.
 """
+
+from __future__ import annotations
 
 import sys
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from _training_refs import assert_close, leaf64, rope64
 from conftest import load_variant
 from test_moe import reference64, routing
@@ -251,32 +248,24 @@ def test_retain_graph_with_the_keep_graph_hook(kt):
     assert _silu_mul_twice(kt)
 
 
-@triton.jit
-def _scale_kernel(X, Y, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(Y + offs, tl.load(X + offs, mask=mask) * 3.0, mask=mask)
-
-
 def test_fast_launch_without_the_cuda_launcher_api(monkeypatch):
     """Without torch._C._cuda_getDevice / _cuda_getCurrentRawStream (absent from CPU builds)
-    every launch takes Triton's own path. The interpreter stands in for a GPU: the launch
-    wrapper is told it is not interpreting, as on a GPU."""
+    every launch takes Triton's own path. The interpreter stands in for a GPU: RoPE's kernel is
+    wrapped anew while the wrapper is told it is not interpreting, as on a GPU."""
     import torch._dynamo  # noqa: F401 - CUDA builds import the launcher functions here
 
     monkeypatch.delattr(torch._C, "_cuda_getDevice", raising=False)
     monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream", raising=False)
     kt = load_variant()
-    common = _module(kt, "_common")
+    common, rope = _module(kt, "_common"), _module(kt, "rope")
     assert common._CUDA_LAUNCH_API is False
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    launch = common.FastLaunch(_scale_kernel)
+    with monkeypatch.context() as gpu:
+        gpu.setattr(common, "interpreting", lambda: False)
+        launch = common.FastLaunch(rope._rope_kernel.fn)
     assert not launch.enabled
-    x = torch.randn(40)
-    y = torch.empty_like(x)
+    monkeypatch.setattr(rope, "_rope_kernel", launch)
     for _ in range(2):  # the first launch compiles; the second would take the fast path
-        launch[(3,)](x, y, x.numel(), BLOCK=16)
-        torch.testing.assert_close(y, x * 3.0, rtol=0, atol=0)
+        _rope_fwd_bwd(kt)
 
 
 def _moe_case():
