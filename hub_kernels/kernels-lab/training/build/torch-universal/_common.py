@@ -177,6 +177,13 @@ def spec_key(args: tuple, layouts: dict) -> tuple:
     )
 
 
+# The current device and its raw stream, read as Triton's own launcher reads them. Private torch
+# functions of CUDA (and ROCm) builds; without them every launch takes Triton's path.
+_CUDA_LAUNCH_API = hasattr(torch._C, "_cuda_getDevice") and hasattr(
+    torch._C, "_cuda_getCurrentRawStream"
+)
+
+
 def _launch_signature_known() -> bool:
     """Whether this Triton launches as ``run(g0, g1, g2, stream, function, packed_metadata,
     launch_metadata, enter_hook, exit_hook, *every_argument)`` (read from 3.4 to 3.9)."""
@@ -195,7 +202,7 @@ class FastLaunch:
         self.fn = fn
         self.compiled: dict[tuple, tuple | None] = {}
         self.layouts: dict[tuple, tuple] = {}
-        self.enabled = _launch_signature_known() and not interpreting()
+        self.enabled = _CUDA_LAUNCH_API and _launch_signature_known() and not interpreting()
         self._params: list[inspect.Parameter] | None = None
 
     def __getitem__(self, grid):
@@ -428,10 +435,12 @@ def pick_config(
     return choice
 
 
+# A private hook of the autograd engine (in every torch this build allows; docs/compatibility.md).
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
 def graph_is_freed() -> bool:
     """Whether the running backward frees its graph (no ``retain_graph=True``): only then is a
-    saved activation read for the last time, and may its buffer take a gradient."""
-    # A private hook of the autograd engine: without it, in place goes ahead and the bumped
-    # version counter turns a second backward into autograd's error, never a wrong gradient.
-    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return keep_graph is None or not keep_graph()
+    saved activation read for the last time, and may its buffer take a gradient. False where
+    this torch cannot tell: nothing is then overwritten, and a second backward still works."""
+    return _KEEP_GRAPH is not None and not _KEEP_GRAPH()

@@ -34,6 +34,8 @@ everything else loops over the experts with contiguous slices (one host sync per
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -303,16 +305,29 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _grouped_mm_since() -> tuple[int, int] | None:
+    """(major, minor) of this torch when it has the private ``torch._grouped_mm``, else None
+    (before torch 2.8): then every matmul takes the per-expert loop. Which devices it serves
+    depends on the release (see _use_grouped_mm; docs/compatibility.md)."""
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if not hasattr(torch, "_grouped_mm") or found is None:
+        return None
+    return int(found.group(1)), int(found.group(2))
+
+
+# Decided once per process: _use_grouped_mm runs on every call.
+_GROUPED_MM = _grouped_mm_since()
+
+
 def _use_grouped_mm(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm"):
+    if _GROUPED_MM is None:
         return False
+    recent = _GROUPED_MM >= (2, 9)
     if x.is_cuda:
         major, minor = torch.cuda.get_device_capability(x.device)
-        recent = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9)
         ok_device = (major, minor) >= (8, 0) if recent else major == 9
         ok = ok_device and x.dtype == torch.bfloat16
     elif x.device.type == "cpu":
-        recent = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9)
         ok = recent and x.dtype in (torch.float32, torch.bfloat16)
     else:
         ok = False

@@ -492,6 +492,69 @@ rope.register_autograd(_backward, setup_context=_setup_context)
 # the returned tensors, not q and k, after the call (transformers' call sites rebind the names).
 
 
+def _storage_count_alone() -> int | None:
+    """The storage use count this torch reports for a tensor that alone holds its storage, or
+    None when the private counters the in-place checks read are missing or do not count holders
+    the way the checks need. Measured, not assumed: torch 2.5 to 2.9 count the tensors holding
+    the storage (1), 2.10 and later also the Python storage object that ``untyped_storage()``
+    returns (2); see docs/compatibility.md."""
+    try:
+        count = torch._C._storage_Use_Count
+        overlap = torch._debug_has_internal_overlap
+        # Plain CPU tensors with autograd's view tracking, whatever mode imports this module.
+        with torch.inference_mode(False):
+            base = torch.empty(4, device="cpu")
+            alone = count(base.untyped_storage()._cdata)
+            uses = [base._use_count()]  # its Python object's reference
+            view = base.view(2, 2)
+            uses.append(base._use_count())  # and the view's
+            del base  # the view's _base keeps it: two holders
+            with_base = count(view.untyped_storage()._cdata)
+            sibling = view._base.view(4)
+            with_sibling = count(view.untyped_storage()._cdata)
+            dense, expanded = overlap(sibling), overlap(sibling[:1].expand(4))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    sane = (
+        alone in (1, 2)
+        and (with_base, with_sibling) == (alone + 1, alone + 2)
+        and uses == [1, 2]
+        and (dense, expanded) == (0, 1)
+    )
+    return alone if sane else None
+
+
+def _gradient_uses_alone() -> int | None:
+    """The use count of an unshared gradient as an autograd Function's backward receives it,
+    or None where it cannot be measured. torch 2.13 hands the gradient over (1); torch 2.5 to
+    2.12 keep a reference of their own to it while the backward runs (2)."""
+    uses = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            uses.append(g._use_count())
+            return g
+
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.zeros(2, device="cpu", requires_grad=True)
+            # Mul's backward makes the gradient Probe receives: a new tensor, held by no one.
+            torch.autograd.backward(Probe.apply(x) * 2.0, torch.ones(2, device="cpu"))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return uses[0] if len(uses) == 1 and uses[0] in (1, 2) else None
+
+
+# Decided once per process: the checks below run on every eager call.
+_ALONE = _storage_count_alone()
+_GRAD_USES = _gradient_uses_alone() if _ALONE is not None else None
+
+
 def _own_memory(x: torch.Tensor) -> bool:
     """Whether x's memory may take its rotation: no other tensor holds x's storage (only x and
     the tensor it views), x is no leaf that requires grad, nor a view of one (a parameter or an
@@ -499,7 +562,7 @@ def _own_memory(x: torch.Tensor) -> bool:
     a unit head_dim stride (each element once, where the kernel writes); nor a parameter or a
     view of one, even frozen. A Python reference the caller keeps to q's base (the projection's
     output) is not seen: that tensor reads the rotated values after the call."""
-    if x.stride(-1) != 1 or x.is_inference():
+    if _ALONE is None or x.stride(-1) != 1 or x.is_inference():
         return False
     if (x.requires_grad and x.is_leaf) or isinstance(x, torch.nn.Parameter):
         return False
@@ -508,12 +571,13 @@ def _own_memory(x: torch.Tensor) -> bool:
         (base.requires_grad and base.is_leaf) or isinstance(base, torch.nn.Parameter)
     ):
         return False
-    # Holders of the storage: x, its base, the storage object made here. Any other is a tensor
-    # that could read the memory after the rotation: an op that saved its output for its
-    # backward (a sigmoid; MemoryEfficientRMSNorm as q_norm), a sibling view (a split of a fused
-    # qkv, whose outputs autograd forbids to change under a bumped version counter), a view the
-    # caller kept. In place would turn their backward into autograd's error: a new buffer then.
-    holders = 2 if base is None else 3
+    # Holders of the storage: x, its base, and the storage object made here where this torch
+    # counts it (_ALONE). Any other is a tensor that could read the memory after the rotation:
+    # an op that saved its output for its backward (a sigmoid; MemoryEfficientRMSNorm as
+    # q_norm), a sibling view (a split of a fused qkv, whose outputs autograd forbids to change
+    # under a bumped version counter), a view the caller kept. In place would turn their
+    # backward into autograd's error: a new buffer then.
+    holders = _ALONE if base is None else _ALONE + 1
     if torch._C._storage_Use_Count(x.untyped_storage()._cdata) != holders:
         return False
     return torch._debug_has_internal_overlap(x) == 0  # 0: no two elements share an address
@@ -527,16 +591,17 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _private_grad(g: torch.Tensor) -> bool:
     """Whether the incoming gradient g may be overwritten: the test autograd's engine applies
-    before it accumulates into a gradient in place (one reference to g's tensor, one tensor on
-    its storage), and dense with a unit head_dim stride. A root gradient the caller passed
-    (``backward(g)``), a gradient another node still waits for (``a + q_rot`` hands one tensor to
-    both), a view of a larger gradient or an expanded one all fail it. A Python reference kept
-    by a tensor hook is not counted, as for the engine's own in-place accumulation: a hook that
-    keeps a gradient must clone it."""
-    if g._use_count() != 1 or g.stride(-1) != 1:
+    before it accumulates into a gradient in place (no references to g's tensor but those an
+    unshared gradient arrives with, _GRAD_USES; one tensor on its storage), and dense with a
+    unit head_dim stride. A root gradient the caller passed (``backward(g)``), a gradient
+    another node still waits for (``a + q_rot`` hands one tensor to both), a view of a larger
+    gradient or an expanded one all fail it. A Python reference kept by a tensor hook is not
+    counted, as for the engine's own in-place accumulation: a hook that keeps a gradient must
+    clone it."""
+    if _GRAD_USES is None or g._use_count() != _GRAD_USES or g.stride(-1) != 1:
         return False
-    # One holder besides the storage object made here: g itself.
-    if torch._C._storage_Use_Count(g.untyped_storage()._cdata) != 2:
+    # No holder but g itself.
+    if torch._C._storage_Use_Count(g.untyped_storage()._cdata) != _ALONE:
         return False
     return torch._debug_has_internal_overlap(g) == 0
 
