@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 from _training_refs import DTYPES, assert_close, leaf64, rms_norm64
-from test_rms_norm import CASES, make_x
+from test_rms_norm import BWD_SHAPES, CASES, make_x
 
 
 def assert_same_sum(s, expected):
@@ -134,7 +134,8 @@ def test_sum_gradient_is_added_before_the_one_rounding(kt):
     assert torch.equal(dx, (dx32 + ds.float()).to(torch.float16))
 
 
-@pytest.mark.parametrize("shape", [(45, 1000), (13, 9000), (10, 5000), (70, 128)], ids=str)
+# The shapes of test_rms_norm.py's BWD_SHAPES (why each: there).
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=str)
 def test_every_backward_candidate_with_a_sum_gradient(kt, shape):
     """The GPU picks the backward geometry by timing (prefetching ds too); each must be right."""
     mod = sys.modules[kt.__name__ + ".rms_norm"]

@@ -9,6 +9,8 @@ import pytest
 import torch
 from _training_refs import DTYPES, assert_close, layer_norm64, leaf64
 
+from tests.sweep import sweep_param
+
 SHAPES = [(7, 77), (37, 1000), (1, 64), (3, 5000), (2, 3, 128)]
 
 
@@ -61,7 +63,15 @@ def test_layer_bound_on_nn_layernorm(kt, dtype):
     torch.testing.assert_close(y, y_ref, rtol=2 * eps, atol=2 * eps * y_ref.abs().max().item())
 
 
-@pytest.mark.parametrize("m,n", [(45, 1000), (13, 9000), (10, 5000), (45, 128)], ids=str)
+# As test_rms_norm.py's BWD_SHAPES (LayerNorm takes RMSNorm's geometry lists): 5 x 9000 and
+# 5 x 5000 split 2/2/1 over three programs; KERNELS_SWEEP=1 adds 13 x 9000 and 10 x 5000.
+@pytest.mark.parametrize(
+    "m,n",
+    [(45, 1000), (5, 9000), (5, 5000), (45, 128),
+     sweep_param(13, 9000, what="more rows of the hidden-16384 list"),
+     sweep_param(10, 5000, what="more rows of the hidden-8192 list")],
+    ids=str,
+)  # fmt: skip
 def test_every_backward_candidate(kt, m, n):
     """The GPU picks among these geometries by timing; each one must be correct (prefetch,
     RELOAD and STAGES too; rows split unevenly over the programs, hidden not a power of 2)."""

@@ -17,6 +17,8 @@ import torch
 from _training_refs import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.sweep import sweep_param
+
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 256
 
@@ -76,11 +78,14 @@ def _steps(model, batches, loss_fn=None):
     return out
 
 
+# The default run covers each value of each option (partial and full rotary, sdpa and eager,
+# grouped and one k/v head per head) in two models; KERNELS_SWEEP=1 adds full-sdpa-gqa.
 @pytest.mark.parametrize(
     "rotary, attn, kv_heads",
-    [(1.0, "sdpa", 2), (0.5, "sdpa", 2), (1.0, "eager", 4)],
-    ids=["full-sdpa-gqa", "partial-sdpa-gqa", "full-eager-mha"],
-)
+    [sweep_param(1.0, "sdpa", 2, what="a third option mix", id="full-sdpa-gqa"),
+     pytest.param(0.5, "sdpa", 2, id="partial-sdpa-gqa"),
+     pytest.param(1.0, "eager", 4, id="full-eager-mha")],
+)  # fmt: skip
 def test_phi3_trains_as_its_own_forward(mirror, rotary, attn, kv_heads):
     plain = tiny_phi3(rotary, attn, kv_heads)
     ours = copy.deepcopy(plain)

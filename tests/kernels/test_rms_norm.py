@@ -11,6 +11,7 @@ import torch
 from _training_refs import DTYPES, assert_close, leaf64, rms_norm64
 
 from tests.gpu.launches import TritonLaunches
+from tests.sweep import sweep_param
 
 # (shape, how x is laid out): awkward widths, one row, a long row, q/k-norm 4-D, non-contiguous.
 CASES = [
@@ -157,9 +158,15 @@ def test_qwen3_attention_q_norm_over_head_dim(kt):
 
 
 # Backward shapes on the interpreter's 4 "SMs": 45 x 1000, several rows per iteration and a
-# partial last block; 13 x 9000 and 10 x 5000, the hidden-16384 and -8192 lists (RELOAD and
-# STAGES geometries) with rows split 4/4/4/1 and 3/3/3/1 over the programs; 70 x 128, q/k norms.
-BWD_SHAPES = [(45, 1000), (13, 9000), (10, 5000), (70, 128)]
+# partial last block; 5 x 9000 and 5 x 5000, the hidden-16384 and -8192 lists (RELOAD and
+# STAGES geometries; one row per iteration, padded to 16384 or 8192 columns) with rows split
+# 2/2/1 over three programs: several iterations per program and a short last one; 70 x 128,
+# q/k norms. KERNELS_SWEEP=1 adds 13 x 9000 and 10 x 5000 (4/4/4/1 and 3/3/3/1).
+WIDE_MORE_ROWS = [
+    sweep_param((13, 9000), what="more rows of the hidden-16384 list"),
+    sweep_param((10, 5000), what="more rows of the hidden-8192 list"),
+]
+BWD_SHAPES = [(45, 1000), (5, 9000), (5, 5000), (70, 128), *WIDE_MORE_ROWS]
 
 
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=str)
@@ -274,7 +281,7 @@ def test_save_output_mode_zero_weight_is_nan_not_wrong(kt):
     assert torch.isfinite(w.grad[torch.arange(64) != 7]).all()
 
 
-@pytest.mark.parametrize("shape", [(45, 1000), (13, 9000)], ids=str)
+@pytest.mark.parametrize("shape", [(45, 1000), (5, 9000), WIDE_MORE_ROWS[0]], ids=str)
 def test_save_output_every_backward_candidate(kt, shape):
     mod = sys.modules[kt.__name__ + ".rms_norm"]
     x = torch.randn(shape, dtype=torch.bfloat16)

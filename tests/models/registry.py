@@ -21,6 +21,7 @@ VOCAB = 256
 HIDDEN = 64
 HEADS = 4
 HEAD_DIM = 16
+SEQ = 16  # tokens per sequence of the training batches
 
 # Size attributes a config may carry -> the tiny value (only those the config already has).
 _SHRINK = {
@@ -110,6 +111,14 @@ def _shrink(config) -> None:
     ):
         if hasattr(config, key):  # set even where the default is None (grouped MoE routing)
             setattr(config, key, value)
+    # State-space mixers (Mamba 2 and its hybrids) pad the sequence up to their chunk (128 to
+    # 256 by default) and build chunk x chunk matrices per head: a chunk of the tiny batches'
+    # 16 tokens runs the same single-chunk scan, with no padding, many times faster.
+    if getattr(config, "mamba_chunk_size", None):
+        config.mamba_chunk_size = SEQ
+    ssm = ("ssm_state_size", "state_size", "mamba_d_state", "mamba_expand")
+    if getattr(config, "chunk_size", None) and any(hasattr(config, k) for k in ssm):
+        config.chunk_size = SEQ
     if hasattr(config, "logits_scaling"):
         config.logits_scaling = 4.0  # granite's default is 1.0: a scale the sweep would not see
     if hasattr(config, "lm_head_multiplier"):
@@ -248,7 +257,7 @@ def run_one(
         # (bf16_verdict.py); fp32 against the plain model itself
         exact = float64_copy(plain) if dtype == torch.bfloat16 else None
         gen = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, VOCAB, (2, 16), generator=gen).to(device) for _ in range(3)]
+        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device) for _ in range(3)]
         plain_run, ours_run = Run(exact), Run(exact)
         ref = train_steps(plain, batches, record=plain_run)
     except Exception as exc:  # noqa: BLE001 - the plain model is what we cannot test

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
 from pathlib import Path
 
 import pytest
+
+from tests.sweep import sweep_only
 
 from .liger_patches import KINDS, LIGER_PATCHES
 from .registry import run_one
 
 ROOT = Path(__file__).resolve().parents[2]
-SWEEP = os.environ.get("KERNELS_SWEEP", "").strip() not in ("", "0")
 
 
 @pytest.fixture
@@ -81,8 +81,7 @@ def test_nemotron_builds_and_binds_its_relu_squared(mirror):
     assert not _unbound_liger_classes(outcome), outcome.unbound_classes
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not SWEEP, reason="every Liger type: set KERNELS_SWEEP=1 (~1 min)")
+@sweep_only("every Liger type (~1 min)")
 @pytest.mark.parametrize("model_type", sorted(LIGER_PATCHES))
 def test_every_liger_type_binds_what_liger_patches(mirror, model_type):
     outcome = run_one(model_type)

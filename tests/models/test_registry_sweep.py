@@ -8,16 +8,15 @@ The default run covers one model type per structure; the whole registry runs und
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.sweep import sweep_only
+
 from .registry import run_one
 
 ROOT = Path(__file__).resolve().parents[2]
-# Read at import: the root conftest clears KERNELS_* variables for each test.
-SWEEP = os.environ.get("KERNELS_SWEEP", "").strip() not in ("", "0")
 
 # model type -> layers that must bind (one type per structural kind the classifier knows)
 REPRESENTATIVES = {
@@ -91,10 +90,7 @@ def _all_types() -> list[str]:
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not SWEEP, reason="the whole registry: set KERNELS_SWEEP=1 (~30 min on 2 cores)"
-)
+@sweep_only("the whole registry (~30 min on 2 cores)")
 @pytest.mark.parametrize("model_type", _all_types())
 def test_every_registered_causal_lm(mirror, model_type):
     """Every model type: skipped only if its plain model does not build or train here; else

@@ -120,7 +120,10 @@ class HostileHub:
         self.stopping = threading.Event()
         self._httpd = _Server(("127.0.0.1", 0), _Handler)
         self._httpd.hostile = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        # A short poll: shutdown() waits for the loop's next poll, once per test.
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     @property
     def url(self) -> str:
