@@ -14,4 +14,11 @@ trap 'rm -rf "$scratch"' EXIT
 .venv/bin/python -c 'import torch
 cuda = torch.version.cuda and torch.cuda.is_available()
 print("test: torch", torch.__version__, "- tests/gpu runs on", torch.cuda.get_device_name(0) if cuda else "nothing (no CUDA): it skips")'
-TMPDIR=$scratch .venv/bin/python -m pytest -q --basetemp="$scratch/pytest" "$@"
+# One pytest worker per core, at most four (each holds torch and transformers); a test file stays
+# on one worker (--dist loadfile), so module-scoped fixtures (the mirror servers) are made once.
+# KERNELS_TEST_WORKERS=0 runs in this process instead.
+workers=${KERNELS_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
+[ "$workers" -gt 4 ] && workers=4
+parallel=()
+[ "$workers" -gt 0 ] && parallel=(-n "$workers" --dist loadfile)
+TMPDIR=$scratch .venv/bin/python -m pytest -q --basetemp="$scratch/pytest" "${parallel[@]}" "$@"
