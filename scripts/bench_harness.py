@@ -130,6 +130,20 @@ def host_us(fn: Callable[[], object], calls: int = 300, warmup: int = 1) -> floa
     return host
 
 
+def per_call_us(fn: Callable[[], object], calls: int) -> float:
+    """Host microseconds per call of fn() (CPU tensors or host-only work: no device sync), with
+    the garbage collector held off so that one collection does not land in one version's run."""
+    gc.collect()
+    gc.disable()
+    try:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t) / calls * 1e6
+    finally:
+        gc.enable()
+
+
 _cycles_per_ms: list[float] = []
 
 

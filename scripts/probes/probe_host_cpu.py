@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import inspect
 import io
 import os
@@ -49,7 +48,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors t
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the bench harness
 import torch  # noqa: E402
 import triton  # noqa: E402
-from bench_harness import load_training_kernels  # noqa: E402
+from bench_harness import load_training_kernels, per_call_us  # noqa: E402
+from bench_train import cpu_model  # noqa: E402
 from torch import nn  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -216,18 +216,6 @@ def cases(kt: types.ModuleType, i: Inputs) -> dict:
 # --- Timing --------------------------------------------------------------------------------
 
 
-def per_call_us(fn, calls: int) -> float:
-    gc.collect()
-    gc.disable()
-    try:
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - t) / calls * 1e6
-    finally:
-        gc.enable()
-
-
 def profile_text(fn, calls: int, top: int = 15) -> str:
     fn()
     pr = cProfile.Profile()
@@ -249,16 +237,6 @@ def checkout(rev: str, into: Path) -> Path:
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(into, filter="data")
     return into / VARIANT
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> int:
@@ -304,7 +282,7 @@ def main() -> int:
     print(BANNER)
     print(
         f"\nhost µs per forward + backward, median of {args.rounds} rounds of {args.calls} calls "
-        f"(min in brackets)\n{time.strftime('%Y-%m-%d %H:%M')}, {_cpu_model()} "
+        f"(min in brackets)\n{time.strftime('%Y-%m-%d %H:%M')}, {cpu_model()} "
         f"({os.cpu_count()} CPUs), Python {platform.python_version()}, torch {torch.__version__}, "
         f"triton {triton.__version__}; fast_launch kernels stubbed: "
         + ", ".join(f"{k} {v}" for k, v in stubbed.items())

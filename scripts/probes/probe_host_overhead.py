@@ -17,7 +17,6 @@ both sides alike.
 from __future__ import annotations
 
 import argparse
-import gc
 import io
 import os
 import subprocess
@@ -31,7 +30,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors t
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 import torch  # noqa: E402
-from bench_harness import load_training_kernels  # noqa: E402
+from bench_harness import load_training_kernels, per_call_us  # noqa: E402
+from bench_train import cpu_model  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,28 +132,6 @@ def liger_cases(i: Inputs) -> dict:
     }
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def per_call_us(fn, calls: int) -> float:
-    gc.collect()
-    gc.disable()
-    try:
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - t) / calls * 1e6
-    finally:
-        gc.enable()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", required=True, help="git revision to compare with, e.g. HEAD~3")
@@ -192,7 +170,7 @@ def main() -> int:
     import triton
 
     print(f"host work per call, µs (fastest of {args.rounds} rounds of {args.calls} calls; Triton "
-          f"launches replaced by no-ops)\n{time.strftime('%Y-%m-%d')}, {_cpu_model()} "
+          f"launches replaced by no-ops)\n{time.strftime('%Y-%m-%d')}, {cpu_model()} "
           f"({os.cpu_count()} CPUs), Python {platform.python_version()}, torch {torch.__version__}, "
           f"triton {triton.__version__}")  # fmt: skip
     liger = ""
