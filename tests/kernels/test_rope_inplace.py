@@ -208,6 +208,35 @@ def test_a_gradient_shared_with_another_input_is_not_overwritten(kt):
     assert_close(att.x.grad, refs[0], torch.float32, "dx")
 
 
+def test_one_gradient_for_both_q_and_k_is_not_overwritten(kt):
+    """``q_embed + k_embed`` (as many heads of each): autograd hands the one gradient tensor to
+    both; written over for both, q and k would get one buffer as their two gradients, which a
+    later in-place backward (an in-place q_norm's) then overwrites for the other."""
+    cos, sin = cos_sin(torch.float32)
+    x = torch.randn(B, T, 8, requires_grad=True)
+    wq, wk = (torch.randn(HK * D, 8, requires_grad=True) for _ in range(2))
+
+    def qk(x, wq, wk):
+        return [(x @ w.T).view(B, T, HK, D).transpose(1, 2) for w in (wq, wk)]
+
+    q, k = qk(x, wq, wk)
+    grads = []
+    for t in (q, k):
+        t.register_hook(grads.append)
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+    w = torch.randn_like(qo)
+    ((qo + ko) * w).sum().backward()
+    dq, dk = grads
+    assert dq.untyped_storage().data_ptr() != dk.untyped_storage().data_ptr()
+    leaves = [leaf64(t) for t in (x, wq, wk)]
+    qr, kr = rope64(*qk(*leaves), cos.double(), sin.double())
+    ((qr + kr) * w.double()).sum().backward()
+    for got, ref, name in zip(
+        (x.grad, wq.grad, wk.grad), leaves, ("dx", "dwq", "dwk"), strict=True
+    ):
+        assert_close(got, ref.grad, torch.float32, name)
+
+
 def _fwd_bwd_peak(kt, norm: bool, rope: bool) -> int:
     """Extra peak bytes of one fwd+bwd from q/k made as in transformers (made before the
     probe, as a projection's output is) to the leaves' gradients."""

@@ -641,6 +641,10 @@ class _RopeFunction(torch.autograd.Function):
             dq if freed and _private_grad(dq) else None,
             dk if freed and _private_grad(dk) else None,
         )
+        # One tensor for both (``q_embed + k_embed`` hands the sum's gradient to each): written
+        # over for both, q and k would get one buffer as their two gradients.
+        if out[0] is not None and out[1] is not None and _overlap(dq, dk):
+            out = (None, None)
         dq, dk = rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats, out=out)
         return dq, dk, None, None, None
 
