@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import io
 import itertools
 import json
 import math
 import statistics
+import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,6 +131,19 @@ def host_us(fn: Callable[[], object], calls: int = 300, warmup: int = 1) -> floa
     host = (time.perf_counter() - t) / calls * 1e6
     torch.cuda.synchronize()
     return host
+
+
+def variant_at(rev: str, into: Path) -> Path:
+    """The training variant folder as committed at git revision `rev`, extracted under `into`
+    (to load it beside this tree's with `load_training_kernels`)."""
+    root = TRAINING_VARIANT.parents[4]
+    rel = TRAINING_VARIANT.relative_to(root).as_posix()
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev, rel], check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into / rel
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:

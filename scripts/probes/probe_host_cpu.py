@@ -37,7 +37,6 @@ import pstats
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import types
@@ -48,13 +47,12 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors t
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the bench harness
 import torch  # noqa: E402
 import triton  # noqa: E402
-from bench_harness import load_training_kernels, per_call_us  # noqa: E402
+from bench_harness import load_training_kernels, per_call_us, variant_at  # noqa: E402
 from bench_train import cpu_model  # noqa: E402
 from torch import nn  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANT = "hub_kernels/kernels-lab/training/build/torch-universal"
 
 BANNER = (
     "LAUNCHES STUBBED: every Triton launch is a no-op (the fast path's compiled-kernel launcher "
@@ -229,16 +227,6 @@ def profile_text(fn, calls: int, top: int = 15) -> str:
     return f"({calls} fwd+bwd calls)\n" + s.getvalue().split("\n", 4)[-1].strip("\n")
 
 
-def checkout(rev: str, into: Path) -> Path:
-    """The variant folder as committed at `rev`, extracted under `into`."""
-    data = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, VARIANT], check=True, capture_output=True
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
-    return into / VARIANT
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", help="git revision to compare with, e.g. HEAD~3")
@@ -259,10 +247,10 @@ def main() -> int:
             ["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline],
             check=True, capture_output=True, text=True,
         ).stdout.strip()  # fmt: skip
-        base = load_training_kernels(checkout(args.baseline, Path(tmp.name)))
+        base = load_training_kernels(variant_at(args.baseline, Path(tmp.name)))
         stubbed["baseline"] = stub_fast_launches(base)
         impls["baseline"] = cases(base, inputs)
-    this = load_training_kernels(ROOT / VARIANT)
+    this = load_training_kernels()
     stubbed["this tree"] = stub_fast_launches(this)
     impls["this tree"] = cases(this, inputs)
     names = list(impls["this tree"])

@@ -17,11 +17,9 @@ both sides alike.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -30,12 +28,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors t
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/: the bench harness
 import torch  # noqa: E402
-from bench_harness import load_training_kernels, per_call_us  # noqa: E402
+from bench_harness import load_training_kernels, per_call_us, variant_at  # noqa: E402
 from bench_train import cpu_model  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANT = "hub_kernels/kernels-lab/training/build/torch-universal"
 
 
 def _no_launch(self, grid):
@@ -43,16 +40,6 @@ def _no_launch(self, grid):
 
 
 InterpretedFunction.__getitem__ = _no_launch  # every kernel[grid](...) does nothing
-
-
-def checkout(rev: str, into: Path) -> Path:
-    """The variant folder as committed at `rev`, extracted under `into`."""
-    data = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, VARIANT], check=True, capture_output=True
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
-    return into / VARIANT
 
 
 class Inputs:
@@ -143,9 +130,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         impls = {
             "baseline": our_cases(
-                load_training_kernels(checkout(args.baseline, Path(tmp))), inputs
+                load_training_kernels(variant_at(args.baseline, Path(tmp))), inputs
             ),
-            "this tree": our_cases(load_training_kernels(ROOT / VARIANT), inputs),
+            "this tree": our_cases(load_training_kernels(), inputs),
         }
         try:
             impls["Liger"] = liger_cases(inputs)

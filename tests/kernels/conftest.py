@@ -8,21 +8,18 @@ pytest process.
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import importlib.util  # noqa: E402
 import itertools  # noqa: E402
 import zlib  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
+from tests.gpu.variant import VARIANT  # noqa: E402, F401
+from tests.gpu.variant import load_variant as _load_by_path
+
 _counter = itertools.count()
 
 
@@ -39,14 +36,7 @@ def _check_interpreter() -> None:
 def load_variant(name: str | None = None):
     """Import the training kernel variant folder as a fresh package (a unique name each call)."""
     _check_interpreter()
-    name = name or f"_kernels_training_test{next(_counter)}"
-    spec = importlib.util.spec_from_file_location(
-        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return _load_by_path(name or f"_kernels_training_test{next(_counter)}")
 
 
 @pytest.fixture(scope="session")

@@ -78,6 +78,16 @@ def _steps(model, batches, loss_fn=None):
     return out
 
 
+def _assert_trains_alike(ours, plain, batches) -> None:
+    """Each step's loss and every gradient of `ours` match `plain`'s (fp32)."""
+    for (loss, grads), (ref_loss, ref_grads) in zip(
+        _steps(ours, batches), _steps(plain, batches), strict=True
+    ):
+        assert_close(loss, ref_loss, torch.float32, "loss")
+        for name, ref in ref_grads.items():
+            assert_close(grads[name], ref, torch.float32, name)
+
+
 # The default run covers each value of each option (partial and full rotary, sdpa and eager,
 # grouped and one k/v head per head) in two models; KERNELS_SWEEP=1 adds full-sdpa-gqa.
 @pytest.mark.parametrize(
@@ -93,12 +103,7 @@ def test_phi3_trains_as_its_own_forward(mirror, rotary, attn, kv_heads):
     attention = [e for e in report if e.path.endswith("self_attn") and e.status == "bound"]
     assert [e.layer_name for e in attention] == ["FusedQKVAttention"] * 2, str(report)
     batches = _padded_batches((3, 6, 0))
-    for (loss, grads), (ref_loss, ref_grads) in zip(
-        _steps(ours, batches), _steps(plain, batches), strict=True
-    ):
-        assert_close(loss, ref_loss, torch.float32, "loss")
-        for name, ref in ref_grads.items():
-            assert_close(grads[name], ref, torch.float32, name)
+    _assert_trains_alike(ours, plain, batches)
 
 
 def _layer(kt, module):
@@ -115,12 +120,7 @@ def test_differently_padded_batches_train_as_the_family_forward(kt):
     for layer in ours.model.layers:
         _layer(kt, layer.self_attn)
     batches = _padded_batches((3, 6, 0))
-    for (loss, grads), (ref_loss, ref_grads) in zip(
-        _steps(ours, batches), _steps(plain, batches), strict=True
-    ):
-        assert_close(loss, ref_loss, torch.float32, "loss")
-        for name, ref in ref_grads.items():
-            assert_close(grads[name], ref, torch.float32, name)
+    _assert_trains_alike(ours, plain, batches)
 
 
 def _attention_and_inputs(rotary: float = 1.0):
