@@ -30,10 +30,18 @@ _START = time.monotonic()
 PROGRESS = "progress "  # child stderr lines the parent echoes as they come
 
 
+_LOG_LOCK = threading.Lock()
+
+
 def log(message: str) -> None:
-    """Print `message` with the wall clock (UTC) and the seconds since this process started."""
+    """Print `message` with the wall clock (UTC) and the seconds since this process started,
+    as one whole line: the sweep's worker threads log at once (print writes the text and the
+    newline apart, so two lines could interleave into one)."""
     stamp = time.strftime("%H:%M:%S", time.gmtime())
-    print(f"[{stamp} +{time.monotonic() - _START:5.0f}s] {message}", flush=True)
+    line = f"[{stamp} +{time.monotonic() - _START:5.0f}s] {message}\n"
+    with _LOG_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def git_commit(root) -> str:
