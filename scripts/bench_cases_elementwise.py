@@ -3,8 +3,9 @@ add), LayerNorm, RoPE, SwiGLU/GeGLU, SiLU.
 
 Peers per case: eager (the transformers / torch module's own forward), torch.compile of that same
 eager code, Liger 0.8.5 where it has the op, and ours (the layer from
-hub_kernels/kernels-lab/training bound onto the same module). Inputs are bf16 and random; the
-backward is timed through torch.autograd.grad so no gradient accumulation is counted.
+hub_kernels/kernels-lab/training bound onto the same module). Inputs are bf16 (``set_dtype``
+picks another) and random; the backward is timed through torch.autograd.grad so no gradient
+accumulation is counted.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import torch.nn.functional as F
 from bench_harness import Case, Impl, load_training_kernels
 
 DT = torch.bfloat16
-B2 = 2  # bytes per bf16 element
+B2 = 2  # bytes per element of DT
+
+
+def set_dtype(dtype: torch.dtype) -> None:
+    """Make the cases built from now on use `dtype` (bf16 unless set; bench_kernels --dtype)."""
+    global DT, B2
+    DT, B2 = dtype, dtype.itemsize
 
 
 def _liger():

@@ -39,6 +39,14 @@ from bench_harness import (  # noqa: E402
 )
 
 DT = torch.bfloat16
+
+
+def set_dtype(dtype: torch.dtype) -> None:
+    """Make the cases built from now on use `dtype` (bf16 unless set; bench_kernels --dtype)."""
+    global DT
+    DT = dtype
+
+
 IGNORE_FRACTION = 0.05
 
 
@@ -114,7 +122,7 @@ def ce_case(n: int, vocab: int, target_ms: float | None = None) -> Case:
         x, t = inputs()
         return _closures(lambda: ce.cross_entropy(x, t), [x])
 
-    nbytes = n * vocab * 2
+    nbytes = n * vocab * DT.itemsize
     return Case(
         op="CrossEntropy",
         shape=f"{n}x{vocab}",

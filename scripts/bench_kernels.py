@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CASE_MODULES = ["bench_cases_elementwise", "bench_cases_losses"]
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype: torch's names
 
 
 def _version(dist: str) -> str:
@@ -138,13 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sweep",
-        choices=["norms", "norms-large", "addnorms", "rope", "glu", "ce", "flce"],
+        choices=["norms", "norms-large", "addnorms", "rope", "glu", "ce", "flce", "dtypes"],
         help="run this shape sweep (scripts/bench_sweeps.py) instead of the anchor cases",
     )
     parser.add_argument(
         "--out", type=Path, help="folder for kernels.json / kernels.md / kernels.png"
     )
     parser.add_argument("--small", action="store_true", help="only the small, launch-bound shapes")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="the inputs' dtype (bf16 unless set); other dtypes label every shape with it",
+    )
     parser.add_argument(
         "--shapes",
         default="",
@@ -162,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
 
+    if args.dtype != "bf16":
+        import bench_cases_elementwise
+        import bench_cases_losses
+
+        for module in (bench_cases_elementwise, bench_cases_losses):
+            module.set_dtype(getattr(torch, DTYPES[args.dtype]))
     ops = [o.strip().lower().replace(" ", "") for o in args.ops.split(",") if o.strip()]
     if args.sweep:
         from bench_sweeps import SWEEPS
@@ -176,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     if shapes:
         cases = [c for c in cases if any(p in c.shape for p in shapes)]
         notes.append(f"shapes containing {', '.join(shapes)}")
+    if args.dtype != "bf16":
+        for case in cases:
+            case.shape = f"{case.shape} {args.dtype}"
+        notes.append(f"inputs {args.dtype}")
     env = environment()
     ceil = measure_ceilings()
     header = " ".join(f"{k} {v};" for k, v in env.items())

@@ -12,7 +12,8 @@ cartesian products, and capped so that all peers' inputs of one case fit the GPU
 - glu: SwiGLU and GeGLU act(a) * b over tokens x intermediate sizes of current models;
 - ce: cross-entropy over the vocabularies of current models (32k ... 262k);
 - flce: fused linear + cross-entropy over the same vocabularies (H 2048, 8192 tokens, plus the
-  issue's anchor N16384 H1024 V151936).
+  issue's anchor N16384 H1024 V151936);
+- dtypes: a shape or two per op (not the fused linear loss), run with ``--dtype fp32|fp16``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,31 @@ def flce() -> list:
     ]
 
 
+def dtypes() -> list:
+    """One or two shapes per op, for runs with ``--dtype fp32`` or ``--dtype fp16``: the bf16
+    sweeps' anchors and a host-bound shape, every op but the fused linear loss."""
+    from bench_cases_elementwise import (
+        add_rms_norm_case,
+        glu_case,
+        layer_norm_case,
+        rms_norm_case,
+        rope_case,
+    )
+    from bench_cases_losses import ce_case
+
+    return [
+        rms_norm_case(4096, 1024),
+        rms_norm_case(16384, 4096),
+        rms_norm_case(4096, 16384),
+        add_rms_norm_case(16384, 4096),
+        layer_norm_case(16384, 4096),
+        rope_case(8, 32, 8, 2048, 128),
+        glu_case(16384, 8192, "silu"),
+        glu_case(16384, 8192, "gelu_tanh"),
+        ce_case(8192, 151936),
+    ]
+
+
 SWEEPS: dict[str, Callable[[], list]] = {
     "norms": norms,
     "norms-large": norms_large,
@@ -101,4 +127,5 @@ SWEEPS: dict[str, Callable[[], list]] = {
     "glu": glu,
     "ce": ce,
     "flce": flce,
+    "dtypes": dtypes,
 }

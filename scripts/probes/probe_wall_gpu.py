@@ -165,7 +165,8 @@ def main():
     rows = []
     profiles = {}
     cases = {}
-    for m, n in ((4096, 1024), (1024, 4096)):
+    # 65536x1024 and 262144x128: wall 2-4x device after the host-path plans (2026-12-01 sweeps)
+    for m, n in ((4096, 1024), (1024, 4096), (65536, 1024), (262144, 128)):
         x = torch.randn(m, n, device="cuda", dtype=DT, requires_grad=True)
         w = torch.randn(n, device="cuda", dtype=DT).requires_grad_()
         g = (torch.randn(m, n, device="cuda", dtype=DT),)

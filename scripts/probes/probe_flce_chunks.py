@@ -1,0 +1,90 @@
+"""Rows per chunk of our fused linear cross-entropy, against torch.compile: a diagnosis.
+
+    python scripts/probes/probe_flce_chunks.py [--shapes N8192H2048V262144,...] [--rounds 3]
+
+The default chunk is the largest power of two whose [rows, V] bf16 logits fit the 504 MiB budget
+(`default_chunk_rows`): 512 rows at V 262144, where the byte budget would hold 1008. Fewer,
+larger chunks mean fewer read-modify-write passes of d(weight) and longer matmuls; rows that are
+not a power of two may tile the matmuls worse. For each shape this times fwd+bwd of
+torch.compile (the eager formula, compiled) and of ours at the default and at other row counts
+that fit the budget, device time (host hidden behind a queued sleep kernel) and wall time
+(do_bench), implementations taking turns over `--rounds`, with the extra peak memory, and prints
+one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+from bench_cases_losses import _eager_flce, _ours  # noqa: E402
+from bench_harness import _device_ms, _extra_peak_mib, _wall_ms  # noqa: E402
+
+SHAPES = {"N8192H2048V262144": (8192, 2048, 262144), "N8192H2048V151936": (8192, 2048, 151936),
+          "N16384H1024V151936": (16384, 1024, 151936)}  # fmt: skip
+
+
+def _ceil_to(a: int, m: int) -> int:
+    return -(-a // m) * m
+
+
+def _row_counts(n: int, vocab: int, budget: int) -> list[int | None]:
+    """None (the default) and row counts that fit the budget: the largest multiple of 128, and
+    n split into equal chunks (rounded up to 64 rows) where that fits."""
+    cap = budget // (_ceil_to(vocab, 64) * 2)
+    out: list[int | None] = [None, cap // 128 * 128]
+    even = _ceil_to(-(-n // -(-n // cap)), 64)
+    if even <= cap:
+        out.append(even)
+    return [r for i, r in enumerate(out) if r not in out[:i]]
+
+
+def _one_shape(name: str, n: int, h: int, v: int, flce, budget: int, rounds: int) -> list[tuple]:
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * h**-0.5).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    compiled = torch.compile(_eager_flce)
+    impls = {"torch.compile": lambda: compiled(x, w, t)}
+    for rows in _row_counts(n, v, budget):
+        label = "ours default" if rows is None else f"ours chunk {rows}"
+        impls[label] = lambda rows=rows: flce(x, w, t, chunk_rows=rows)
+    fwd_bwd = {k: (lambda f=f: torch.autograd.grad(f(), [x, w])) for k, f in impls.items()}
+    for f in fwd_bwd.values():
+        f()  # compile, tune
+    dev: dict[str, list[float]] = {k: [] for k in fwd_bwd}
+    for _ in range(rounds):
+        for k, f in fwd_bwd.items():
+            dev[k].append(_device_ms(f, reps=10))
+    rows_out = []
+    for k, f in fwd_bwd.items():
+        rows_out.append((name, k, statistics.median(dev[k]), _wall_ms(f), _extra_peak_mib(f)))
+        print(rows_out[-1], flush=True)
+    return rows_out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    module = _ours("fused_linear_cross_entropy")
+    flce, budget = module.fused_linear_cross_entropy, module.MAX_CHUNK_BYTES
+    print({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__})  # fmt: skip
+    table = []
+    for name in args.shapes.split(","):
+        table += _one_shape(name, *SHAPES[name], flce, budget, args.rounds)
+        torch.cuda.empty_cache()
+    print("| shape | impl | fwd+bwd device ms | fwd+bwd wall ms | extra MiB |")
+    print("|---|---|---|---|---|")
+    for name, k, d, wall, mib in table:
+        print(f"| {name} | {k} | {d:.3f} | {wall:.3f} | {mib:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
