@@ -1,6 +1,7 @@
 """Rows per chunk of our fused linear cross-entropy, against torch.compile: a diagnosis.
 
     python scripts/probes/probe_flce_chunks.py [--shapes N8192H2048V262144,...] [--rounds 3]
+    python scripts/probes/probe_flce_chunks.py --grid [--shapes ...]
 
 The default chunk is the largest power of two whose [rows, V] bf16 logits fit the 504 MiB budget
 (`default_chunk_rows`): 512 rows at V 262144, where the byte budget would hold 1008. Fewer,
@@ -9,7 +10,8 @@ not a power of two may tile the matmuls worse. For each shape this times fwd+bwd
 torch.compile (the eager formula, compiled) and of ours at the default and at other row counts
 that fit the budget, device time (host hidden behind a queued sleep kernel) and wall time
 (do_bench), implementations taking turns over `--rounds`, with the extra peak memory, and prints
-one table.
+one table. ``--grid`` times ours alone (device time) at every multiple of 128 rows from the default
+up to what the budget holds, plus the largest multiple of 64 and the even split.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from bench_cases_losses import _eager_flce, _ours  # noqa: E402
 from bench_harness import _device_ms, _extra_peak_mib, _wall_ms  # noqa: E402
 
 SHAPES = {"N8192H2048V262144": (8192, 2048, 262144), "N8192H2048V151936": (8192, 2048, 151936),
-          "N16384H1024V151936": (16384, 1024, 151936)}  # fmt: skip
+          "N16384H1024V151936": (16384, 1024, 151936), "N8192H2048V131072": (8192, 2048, 131072),
+          "N8192H2048V202048": (8192, 2048, 202048)}  # fmt: skip
 
 
 def _ceil_to(a: int, m: int) -> int:
@@ -41,6 +44,40 @@ def _row_counts(n: int, vocab: int, budget: int) -> list[int | None]:
     if even <= cap:
         out.append(even)
     return [r for i, r in enumerate(out) if r not in out[:i]]
+
+
+def _grid_rows(n: int, vocab: int, budget: int, default: int) -> list[int]:
+    """The default, every multiple of 128 above it that fits the budget, the largest multiple
+    of 64 that does, and the even split (see _row_counts)."""
+    cap = min(n, budget // (_ceil_to(vocab, 64) * 2))
+    rows = [default, *range(_ceil_to(default + 1, 128), cap + 1, 128), cap // 64 * 64]
+    rows += [r for r in _row_counts(n, vocab, budget) if r is not None]
+    return sorted({r for r in rows if default <= r <= cap})
+
+
+def _grid(name: str, n: int, h: int, v: int, module, rounds: int) -> list[tuple]:
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * h**-0.5).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    flce, budget = module.fused_linear_cross_entropy, module.MAX_CHUNK_BYTES
+    vpad = _ceil_to(v, 64)
+    default = min(module.default_chunk_rows(n, vpad, 2), module.row_cap(h, vpad, 2))
+    fns = {
+        r: (lambda r=r: torch.autograd.grad(flce(x, w, t, chunk_rows=r), [x, w]))
+        for r in _grid_rows(n, v, budget, default)
+    }
+    for f in fns.values():
+        f()
+    dev: dict[int, list[float]] = {r: [] for r in fns}
+    for _ in range(rounds):
+        for r, f in fns.items():
+            dev[r].append(_device_ms(f, reps=10))
+    out = []
+    for r in fns:
+        label = f"ours chunk {r}" + (" (default)" if r == default else "")
+        out.append((name, label, statistics.median(dev[r]), float("nan"), float("nan")))
+        print(out[-1], flush=True)
+    return out
 
 
 def _one_shape(name: str, n: int, h: int, v: int, flce, budget: int, rounds: int) -> list[tuple]:
@@ -70,6 +107,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--grid", action="store_true", help="ours alone over many row counts")
     args = parser.parse_args()
     module = _ours("fused_linear_cross_entropy")
     flce, budget = module.fused_linear_cross_entropy, module.MAX_CHUNK_BYTES
@@ -77,7 +115,10 @@ def main() -> int:
            "triton": __import__("triton").__version__})  # fmt: skip
     table = []
     for name in args.shapes.split(","):
-        table += _one_shape(name, *SHAPES[name], flce, budget, args.rounds)
+        if args.grid:
+            table += _grid(name, *SHAPES[name], module, args.rounds)
+        else:
+            table += _one_shape(name, *SHAPES[name], flce, budget, args.rounds)
         torch.cuda.empty_cache()
     print("| shape | impl | fwd+bwd device ms | fwd+bwd wall ms | extra MiB |")
     print("|---|---|---|---|---|")
