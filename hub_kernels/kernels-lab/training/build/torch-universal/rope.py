@@ -253,9 +253,15 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def triton_supported(q, k, cos, sin, unsqueeze_dim: int) -> bool:
     """Whether the Triton kernel covers this call (else the caller uses the torch composite)."""
+    return use_triton(q) and _layouts_supported(q, k, cos, sin, unsqueeze_dim)
+
+
+def _layouts_supported(q, k, cos, sin, unsqueeze_dim: int) -> bool:
+    """triton_supported but for `use_triton` (which reads the environment for CPU tensors): a
+    function of the shapes, devices and unsqueeze_dim alone."""
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return False
-    if unsqueeze_dim not in (1, 2) or not (use_triton(q) and q.device == k.device == cos.device):
+    if unsqueeze_dim not in (1, 2) or not q.device == k.device == cos.device:
         return False
     time_dim = 2 if unsqueeze_dim == 1 else 1  # [B, H, T, D], or [B, T, H, D]; no views made
     b, t, d = q.shape[0], q.shape[time_dim], q.shape[3]
@@ -286,6 +292,14 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=
     it writes them). The caller owns any aliasing and the version counters. A call without `cfg`
     runs the plan its key maps to (see `_RotatePlan`).
     """
+    if cfg is not None:
+        return _RotatePlan(q, k, cos, sin, unsqueeze_dim, backward, out)(q, k, cos, sin, repeats,
+                                                                         out, cfg)  # fmt: skip
+    return _rotate_plan(q, k, cos, sin, unsqueeze_dim, backward, out)(q, k, cos, sin, repeats, out)
+
+
+def _rotate_plan(q, k, cos, sin, unsqueeze_dim, backward, out) -> "_RotatePlan":
+    """The kept plan of a rotate call without `cfg` (made and kept on its key's first call)."""
     oq, ok = out
     # Everything the plan's constants derive from: the layouts and dtypes of q, k, cos, sin and
     # of any given outputs (and whether they are q and k themselves), device and direction.
@@ -293,14 +307,11 @@ def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=
            sin.stride(), q.dtype, k.dtype, cos.dtype, sin.dtype, q.device, unsqueeze_dim,
            backward, oq is None or (oq is q, oq.stride(), oq.dtype),
            ok is None or (ok is k, ok.stride(), ok.dtype))  # fmt: skip
-    if cfg is not None:
-        return _RotatePlan(q, k, cos, sin, unsqueeze_dim, backward, out)(q, k, cos, sin, repeats,
-                                                                         out, cfg)  # fmt: skip
     plan = _ROTATE_PLANS.get(key)
     if plan is None:
         plan = _RotatePlan(q, k, cos, sin, unsqueeze_dim, backward, out)
         _ROTATE_PLANS.keep(key, plan)
-    return plan(q, k, cos, sin, repeats, out)
+    return plan
 
 
 class _RotatePlan:
@@ -606,14 +617,42 @@ def _private_grad(g: torch.Tensor) -> bool:
     return torch._debug_has_internal_overlap(g) == 0
 
 
+class _EagerPlan:
+    """What the layouts of an eager call's q, k, cos and sin fix (its key, `_eager_key`): whether
+    the Triton kernel covers the call (`triton_supported` but for `use_triton`, which reads the
+    environment for CPU tensors and is asked per call), and the rotate plans it runs,
+    forward per in-place choice, backward per in-place choice for the gradients' layouts last
+    seen. The in-place checks themselves still run on every call: they read per-call facts."""
+
+    __slots__ = ("triton", "forward", "backward")
+
+    def __init__(self, q, k, cos, sin, unsqueeze_dim) -> None:
+        self.triton = _layouts_supported(q, k, cos, sin, unsqueeze_dim)
+        self.forward: list = [None] * 4  # index 2 * (q in place) + (k in place)
+        # (the gradients' layouts, their plans indexed as forward's): replaced whole, never
+        # changed under another thread's layouts.
+        self.backward: tuple = (None, [None] * 4)
+
+
+def _eager_key(q, k, cos, sin, unsqueeze_dim) -> tuple:
+    """Everything `_EagerPlan` derives from: the rotate key's inputs part plus the devices
+    `triton_supported` compares."""
+    return (q.shape, q.stride(), k.shape, k.stride(), cos.shape, cos.stride(), sin.shape,
+            sin.stride(), q.dtype, k.dtype, cos.dtype, sin.dtype, q.device, k.device, cos.device,
+            unsqueeze_dim)  # fmt: skip
+
+
+_EAGER_PLANS = PlanCache()
+
+
 class _RopeFunction(torch.autograd.Function):
     """The eager path: the same kernel without the custom-op dispatch cost on every call, in
-    place where that is safe (see above)."""
+    place where that is safe (see above). `plan` is the call's `_EagerPlan`."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, plan):
         ctx.save_for_backward(cos, sin)
-        ctx.unsqueeze_dim = unsqueeze_dim
+        ctx.unsqueeze_dim, ctx.plan = unsqueeze_dim, plan
         repeats = halves_repeat(cos, sin)
         # A host answer holds for the backward too: cos and sin are saved tensors, so autograd
         # refuses the backward if an in-place op changed them. A device flag may still be in
@@ -623,7 +662,12 @@ class _RopeFunction(torch.autograd.Function):
         if in_q and in_k and _overlap(q, k):
             in_q = in_k = False
         out = (q if in_q else None, k if in_k else None)
-        qo, ko = rotate(q, k, cos, sin, unsqueeze_dim, False, repeats=repeats, out=out)
+        # The plan rotate would find: the eager key fixes all of rotate's key but `out`.
+        index = 2 * in_q + in_k
+        rotation = plan.forward[index]
+        if rotation is None:
+            rotation = plan.forward[index] = _rotate_plan(q, k, cos, sin, unsqueeze_dim, False, out)
+        qo, ko = rotation(q, k, cos, sin, repeats, out)
         # The Triton kernel wrote behind autograd's back: bump the counters it would have.
         if in_q:
             torch.autograd.graph.increment_version(q)
@@ -645,8 +689,20 @@ class _RopeFunction(torch.autograd.Function):
         # over for both, q and k would get one buffer as their two gradients.
         if out[0] is not None and out[1] is not None and _overlap(dq, dk):
             out = (None, None)
-        dq, dk = rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats, out=out)
-        return dq, dk, None, None, None
+        # The rest of rotate's key is the forward's (cos and sin are the saved forward inputs):
+        # the gradients' layouts pick the plans, the in-place choice one of them.
+        grads = (dq.shape, dq.stride(), dq.dtype, dk.shape, dk.stride(), dk.dtype, dq.device)
+        seen, rotations = ctx.plan.backward
+        if seen != grads:
+            rotations = [None] * 4
+            ctx.plan.backward = (grads, rotations)
+        index = 2 * (out[0] is not None) + (out[1] is not None)
+        rotation = rotations[index]
+        if rotation is None:
+            ud = ctx.unsqueeze_dim
+            rotation = rotations[index] = _rotate_plan(dq, dk, cos, sin, ud, True, out)
+        dq, dk = rotation(dq, dk, cos, sin, ctx.repeats, out)
+        return dq, dk, None, None, None, None
 
 
 def apply_rotary_pos_emb(
@@ -656,11 +712,18 @@ def apply_rotary_pos_emb(
 
     In eager mode the rotation may be written over q and k themselves (where safe; see the
     module docstring): read the returned tensors, not q and k, after the call."""
-    if not triton_supported(q, k, cos, sin, unsqueeze_dim):
-        return composite(q, k, cos, sin, unsqueeze_dim)
     if torch.compiler.is_compiling():
-        return rope(q, k, cos, sin, unsqueeze_dim, False)
-    return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
+        if triton_supported(q, k, cos, sin, unsqueeze_dim):
+            return rope(q, k, cos, sin, unsqueeze_dim, False)
+        return composite(q, k, cos, sin, unsqueeze_dim)
+    key = _eager_key(q, k, cos, sin, unsqueeze_dim)
+    plan = _EAGER_PLANS.get(key)
+    if plan is None:
+        plan = _EagerPlan(q, k, cos, sin, unsqueeze_dim)
+        _EAGER_PLANS.keep(key, plan)
+    if not (plan.triton and use_triton(q)):
+        return composite(q, k, cos, sin, unsqueeze_dim)
+    return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, plan)
 
 
 def apply_partial_rotary_pos_emb(
