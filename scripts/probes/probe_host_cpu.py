@@ -155,6 +155,13 @@ class Inputs:
         emb = torch.randn(b, t, d // 2).repeat(1, 1, 2)
         self.cos, self.sin = emb.cos(), emb.sin()
         self.gq, self.gk = torch.randn_like(self.q), torch.randn_like(self.k)
+        self.q_small = leaf(1, 4, 2, d).transpose(1, 2)
+        self.k_small = leaf(1, 4, 1, d).transpose(1, 2)
+        self.cos_small, self.sin_small = self.cos[:1, :4], self.sin[:1, :4]
+        self.gq_small, self.gk_small = (
+            torch.randn_like(self.q_small),
+            torch.randn_like(self.k_small),
+        )
         self.a, self.c = leaf(b * t, inter), leaf(b * t, inter)
         self.ga = torch.randn(b * t, inter)
         self.logits = leaf(b * t, vocab)
@@ -180,6 +187,13 @@ def _grad(outs, leaves, grads):
     return lambda: torch.autograd.grad(outs(), leaves, grads)
 
 
+def _rope_in_place(rotary, i: Inputs) -> tuple:
+    """RoPE of fresh q and k (new tensors laid out like the leaves), each output through a mul:
+    the gradients RoPE's backward receives are the muls' new tensors."""
+    qo, ko = rotary(i.q_small * 1.0, i.k_small * 1.0, i.cos_small, i.sin_small)
+    return qo * 1.0, ko * 1.0
+
+
 def cases(kt: types.ModuleType, i: Inputs) -> dict:
     """op name -> a zero-argument forward + backward call."""
     sys.modules[kt.__name__ + ".rope"].MIN_CHECKED_ELEMENTS = 0  # check cos/sin as at the anchor
@@ -199,6 +213,12 @@ def cases(kt: types.ModuleType, i: Inputs) -> dict:
         "fused add + rms_norm": _grad(lambda: add_rms(x, r), (x, r, norm.weight), (g, g)),
         "layer_norm": _grad(lambda: (layer_norm(x),), (x, ln.weight, ln.bias), (g,)),
         "rope": _grad(lambda: rotary(i.q, i.k, i.cos, i.sin), (i.q, i.k), (i.gq, i.gk)),
+        # As in a model: q and k fresh (a projection's outputs: rotated in their own memory),
+        # the gradients made by ops (written over in the backward). Tiny tensors: the two muls
+        # on each side (in both columns) cost their host time, not CPU arithmetic.
+        "rope in place": _grad(
+            lambda: _rope_in_place(rotary, i), (i.q_small, i.k_small), (i.gq_small, i.gk_small)
+        ),
         "silu_mul in_place": _grad(
             lambda: (kt.silu_mul(i.a, i.c, in_place=True),), (i.a, i.c), (i.ga,)
         ),
