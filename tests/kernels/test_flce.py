@@ -192,6 +192,10 @@ def test_bad_inputs_raise(fl):
     [
         (16384, 128256, 2, 504 * 2**20, 2048),  # 8 chunks, a 501 MiB buffer
         (16384, 151936, 2, 504 * 2**20, 1024),  # 2048 rows would need 594 MiB
+        # 512 fills half the budget (1008 rows): the largest multiple of 64 instead
+        (8192, 262144, 2, 504 * 2**20, 960),
+        (8192, 131072, 2, 504 * 2**20, 1984),  # 1024 of 2016
+        (8192, 151936, 2, 504 * 2**20, 1024),  # 1024 of 1739 (59 %): the power of two
         (1000, 50000, 2, 504 * 2**20, 1000),  # everything fits in one chunk
         (300, 1000, 4, 44_000, 8),  # 11 rows fit: 8
         (5, 1000, 4, 1_000, 1),  # not even one row fits: one row at a time

@@ -26,6 +26,7 @@ def fl(kt):
         (16384, 896, 151936, 1024),  # never under 1024 rows where the budget allows them
         (8192, 3072, 32064, 2048),  # Phi-3-mini's step: 125 MiB, not all 8192 rows (501 MiB)
         (65536, 64, 256, 65536),  # a small vocabulary keeps one chunk (32 MiB)
+        (8192, 2048, 262144, 960),  # the byte budget's multiple of 64, under the row cap
     ],
 )
 def test_rows_per_chunk(fl, n, hidden, vocab, rows):

@@ -48,15 +48,26 @@ MAX_CHUNK_BYTES = 504 * 2**20
 
 
 def default_chunk_rows(n: int, vocab: int, itemsize: int, max_bytes: int = MAX_CHUNK_BYTES) -> int:
-    """Rows per chunk: all n when they fit `max_bytes`, else the largest power of two that does.
+    """Rows per chunk: all n when they fit `max_bytes`, else the largest power of two that does,
+    unless that fills under 55 % of the budget: then the largest multiple of 64 that fits.
 
     Fewer chunks mean fewer read-modify-write passes over d(weight) and fewer roundings of it;
-    power-of-two row counts tile the matmuls without remainder (the sizes measured fastest).
+    power-of-two row counts tile the matmuls without remainder (the sizes measured fastest where
+    they fill most of the budget).
     """
     cap = max(1, max_bytes // max(1, vocab * itemsize))
     if n <= cap:
         return max(1, n)
-    return 1 << (cap.bit_length() - 1)
+    rows = 1 << (cap.bit_length() - 1)
+    # A power of two just over half the budget (V 262144: 512 rows where 1008 fit) costs nearly
+    # twice the chunks. There the budget's largest multiple of 64 measured faster on an H200
+    # (N8192 H2048: 960 rows 40.9 and 42.3 ms against 42.7 and 44.0 at V 262144 in two runs;
+    # 1984 rows 19.5 against 20.1 at V 131072); where the power of two fills 59 % (V 151936)
+    # larger chunks were no faster (1536 rows 22.39 against 22.38; 1664-1728 2-3 % slower).
+    # docs/losses.md, "Rows per chunk".
+    if rows < 0.55 * cap and cap >= 128:
+        rows = cap // 64 * 64
+    return rows
 
 
 # The training-step cap on rows per chunk (row_cap). In a training step the loss head runs
