@@ -1,8 +1,9 @@
 """RoPE's eager plan (rope.py, `_EagerPlan`): one plan per q/k/cos/sin layouts carries the
-Triton-or-torch answer and the rotate plans, and the backward picks its plans by the gradients'
-layouts, checked per call. Each test makes consecutive calls that one plan serves, changing
-what the plan must not assume (the gradients' layouts, q's and k's layouts, cos/sin's dtype,
-the interpreter switch), and checks every call against float64 on the Triton interpreter."""
+Triton-or-torch answer and the forward's rotate plans; the backward looks its plan up by the
+tensors it holds. Each test makes consecutive calls that one plan serves, changing what no
+plan may assume (the gradients' layouts, q's and k's layouts, cos/sin's dtype, the layout a
+saved-tensor hook gives cos/sin, the interpreter switch), and checks every call against float64
+on the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _check(kt, q, k, cos, sin, gq, gk, unsqueeze_dim, dtype=torch.float32):
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_each_backward_runs_the_plan_of_its_gradients_layout(kt, unsqueeze_dim):
     """One forward plan, backwards whose gradients change layout from call to call (and come
-    back): each must run the rotate plan of its own gradients' strides, not the last one's."""
+    back): each must run the rotate plan of its own gradients' strides, not another call's."""
     qs = (B, HQ, T, D) if unsqueeze_dim == 1 else (B, T, HQ, D)
     ks = (B, HK, T, D) if unsqueeze_dim == 1 else (B, T, HK, D)
     cos, sin = _cos_sin()
@@ -96,3 +97,38 @@ def test_the_interpreter_switch_is_read_on_every_call(kt, monkeypatch):
     qr, kr = rope64(q.double(), k.double(), cos.double(), sin.double())
     assert_close(qo, qr, torch.float32, "q_embed")
     assert_close(ko, kr, torch.float32, "k_embed")
+
+
+def test_a_saved_tensor_hook_that_changes_cos_layout_gets_its_own_backward(kt):
+    """Activation offloading (``save_on_cpu``, or any pack hook that copies) hands the backward
+    a contiguous cos/sin where the forward had a slice of a longer cache: the backward must
+    rotate with the strides of the cos/sin it unpacks, not with a plan made for another call's.
+    Alternating steps, as layers that share one cos but only some of which offload."""
+    cache_c, cache_s = _cos_sin(t=T + 5)
+    cos, sin = cache_c[:, :T], cache_s[:, :T]  # batch stride (T + 5) * D: not contiguous
+    for step in range(4):
+        q = torch.randn(B, HQ, T, D).requires_grad_()
+        k = torch.randn(B, HK, T, D).requires_grad_()
+        gq, gk = torch.randn(B, HQ, T, D), torch.randn(B, HK, T, D)
+        if step % 2:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous(), lambda t: t):
+                _check(kt, q, k, cos, sin, gq, gk, 1)
+        else:
+            _check(kt, q, k, cos, sin, gq, gk, 1)
+
+
+def test_forwards_alternating_cos_layout_and_q_dtype_each_get_their_plan(kt):
+    """Same shapes call to call, but cos/sin sliced from a longer cache or not, and q and k in
+    fp32 or bf16: the eager plan is per cos/sin strides (one made for another call's would read
+    cos with the wrong batch stride: this fails when the key leaves them out). The dtype
+    alternation is checked against float64 too, but cannot fail on a key without q's dtype: the
+    launch specialises on the tensors' own dtypes, and the outputs take q's."""
+    cache_c, cache_s = _cos_sin(t=T + 5)
+    whole_c, whole_s = _cos_sin()
+    for sliced, dtype in [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16),
+                          (False, torch.bfloat16), (False, torch.float32)]:  # fmt: skip
+        cos, sin = (cache_c[:, :T], cache_s[:, :T]) if sliced else (whole_c, whole_s)
+        q = torch.randn(B, HQ, T, D).to(dtype).requires_grad_()
+        k = torch.randn(B, HK, T, D).to(dtype).requires_grad_()
+        gq, gk = torch.randn(B, HQ, T, D), torch.randn(B, HK, T, D)
+        _check(kt, q, k, cos, sin, gq, gk, 1, dtype)

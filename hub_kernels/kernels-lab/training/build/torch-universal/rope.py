@@ -622,18 +622,15 @@ def _private_grad(g: torch.Tensor) -> bool:
 class _EagerPlan:
     """What the layouts of an eager call's q, k, cos and sin fix (its key, `_eager_key`): whether
     the Triton kernel covers the call (`triton_supported` but for `use_triton`, which reads the
-    environment for CPU tensors and is asked per call), and the rotate plans it runs,
-    forward per in-place choice, backward per in-place choice for the gradients' layouts last
-    seen. The in-place checks themselves still run on every call: they read per-call facts."""
+    environment for CPU tensors and is asked per call), and the forward's rotate plans, one per
+    in-place choice. The in-place checks themselves still run on every call: they read
+    per-call facts. The backward looks its rotate plan up by rotate's own key."""
 
-    __slots__ = ("triton", "forward", "backward")
+    __slots__ = ("triton", "forward")
 
     def __init__(self, q, k, cos, sin, unsqueeze_dim) -> None:
         self.triton = _layouts_supported(q, k, cos, sin, unsqueeze_dim)
         self.forward: list = [None] * 4  # index 2 * (q in place) + (k in place)
-        # (the gradients' layouts, their plans indexed as forward's): replaced whole, never
-        # changed under another thread's layouts.
-        self.backward: tuple = (None, [None] * 4)
 
 
 def _eager_key(q, k, cos, sin, unsqueeze_dim) -> tuple:
@@ -654,7 +651,7 @@ class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, unsqueeze_dim, plan):
         ctx.save_for_backward(cos, sin)
-        ctx.unsqueeze_dim, ctx.plan = unsqueeze_dim, plan
+        ctx.unsqueeze_dim = unsqueeze_dim
         repeats = halves_repeat(cos, sin)
         # A host answer holds for the backward too: cos and sin are saved tensors, so autograd
         # refuses the backward if an in-place op changed them. A device flag may still be in
@@ -691,19 +688,9 @@ class _RopeFunction(torch.autograd.Function):
         # over for both, q and k would get one buffer as their two gradients.
         if out[0] is not None and out[1] is not None and _overlap(dq, dk):
             out = (None, None)
-        # The rest of rotate's key is the forward's (cos and sin are the saved forward inputs):
-        # the gradients' layouts pick the plans, the in-place choice one of them.
-        grads = (dq.shape, dq.stride(), dq.dtype, dk.shape, dk.stride(), dk.dtype, dq.device)
-        seen, rotations = ctx.plan.backward
-        if seen != grads:
-            rotations = [None] * 4
-            ctx.plan.backward = (grads, rotations)
-        index = 2 * (out[0] is not None) + (out[1] is not None)
-        rotation = rotations[index]
-        if rotation is None:
-            ud = ctx.unsqueeze_dim
-            rotation = rotations[index] = _rotate_plan(dq, dk, cos, sin, ud, True, out)
-        dq, dk = rotation(dq, dk, cos, sin, ctx.repeats, out)
+        # rotate's own key, of the tensors in hand: the saved cos and sin may come back from a
+        # saved-tensor hook (activation offloading) in another layout than the forward's.
+        dq, dk = rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, repeats=ctx.repeats, out=out)
         return dq, dk, None, None, None, None
 
 
