@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype != "bf16":
         for case in cases:
             case.shape = f"{case.shape} {args.dtype}"
+            case.target_ms = None  # the targets are bf16 times
         notes.append(f"inputs {args.dtype}")
     env = environment()
     ceil = measure_ceilings()

@@ -3,15 +3,17 @@
     python scripts/probes/probe_flce_chunks.py [--shapes N8192H2048V262144,...] [--rounds 3]
     python scripts/probes/probe_flce_chunks.py --grid [--shapes ...]
 
-The default chunk is the largest power of two whose [rows, V] bf16 logits fit the 504 MiB budget
-(`default_chunk_rows`): 512 rows at V 262144, where the byte budget would hold 1008. Fewer,
+The chunk used to be the largest power of two whose [rows, V] bf16 logits fit the 504 MiB budget:
+512 rows at V 262144, where the byte budget holds 1008 (`default_chunk_rows` now takes the
+budget's largest multiple of 64 where the power of two fills under 55 % of it; this probe
+times both). Fewer,
 larger chunks mean fewer read-modify-write passes of d(weight) and longer matmuls; rows that are
 not a power of two may tile the matmuls worse. For each shape this times fwd+bwd of
 torch.compile (the eager formula, compiled) and of ours at the default and at other row counts
 that fit the budget, device time (host hidden behind a queued sleep kernel) and wall time
 (do_bench), implementations taking turns over `--rounds`, with the extra peak memory, and prints
-one table. ``--grid`` times ours alone (device time) at every multiple of 128 rows from the default
-up to what the budget holds, plus the largest multiple of 64 and the even split.
+one table. ``--grid`` times ours alone (device time) at every multiple of 128 rows from the power of two
+up to what the budget holds, plus the default, the largest multiple of 64 and the even split.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ def _ceil_to(a: int, m: int) -> int:
 
 
 def _row_counts(n: int, vocab: int, budget: int) -> list[int | None]:
-    """None (the default) and row counts that fit the budget: the largest multiple of 128, and
-    n split into equal chunks (rounded up to 64 rows) where that fits."""
+    """None (the default) and row counts that fit the budget: the largest power of two, the
+    largest multiple of 128, and n split into equal chunks (rounded up to 64 rows) where that
+    fits."""
     cap = budget // (_ceil_to(vocab, 64) * 2)
-    out: list[int | None] = [None, cap // 128 * 128]
+    out: list[int | None] = [None, 1 << (cap.bit_length() - 1), cap // 128 * 128]
     even = _ceil_to(-(-n // -(-n // cap)), 64)
     if even <= cap:
         out.append(even)
@@ -47,12 +50,13 @@ def _row_counts(n: int, vocab: int, budget: int) -> list[int | None]:
 
 
 def _grid_rows(n: int, vocab: int, budget: int, default: int) -> list[int]:
-    """The default, every multiple of 128 above it that fits the budget, the largest multiple
-    of 64 that does, and the even split (see _row_counts)."""
+    """The default, the largest power of two that fits the budget, every multiple of 128 above
+    it that fits, the largest multiple of 64 that does, and the even split (see _row_counts)."""
     cap = min(n, budget // (_ceil_to(vocab, 64) * 2))
-    rows = [default, *range(_ceil_to(default + 1, 128), cap + 1, 128), cap // 64 * 64]
+    low = min(default, 1 << (cap.bit_length() - 1))
+    rows = [default, low, *range(_ceil_to(low + 1, 128), cap + 1, 128), cap // 64 * 64]
     rows += [r for r in _row_counts(n, vocab, budget) if r is not None]
-    return sorted({r for r in rows if default <= r <= cap})
+    return sorted({r for r in rows if low <= r <= cap})
 
 
 def _grid(name: str, n: int, h: int, v: int, module, rounds: int) -> list[tuple]:
