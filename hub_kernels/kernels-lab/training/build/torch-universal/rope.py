@@ -275,13 +275,14 @@ def _layouts_supported(q, k, cos, sin, unsqueeze_dim: int) -> bool:
 _ASK = object()
 
 
-def _out_like(x: torch.Tensor) -> torch.Tensor:
+def _out_like(x: torch.Tensor, device: str | None = None) -> torch.Tensor:
     """The rotated output for `x`: x's layout where head_dim has unit stride (the layout the
     transformers formula's elementwise ops give), else contiguous. empty_like alone follows any
-    stride order, e.g. a k whose time dim is innermost, which the kernel cannot write."""
+    stride order, e.g. a k whose time dim is innermost, which the kernel cannot write. With
+    ``device="meta"``, the same strides without memory (a plan reads them)."""
     if x.stride(-1) == 1:
-        return torch.empty_like(x)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return torch.empty_like(x, device=device)
+    return torch.empty(x.shape, dtype=x.dtype, device=device or x.device)
 
 
 def rotate(q, k, cos, sin, unsqueeze_dim, backward, cfg=None, repeats=_ASK, out=(None, None)):
@@ -322,17 +323,16 @@ class _RotatePlan:
     None, a device flag), the config and the bound launch once chosen."""
 
     __slots__ = ("ud", "backward", "empty", "qo_strides", "ko_strides", "copy", "scalars",
-                 "constexprs", "tune_key", "candidates", "n_tokens", "launches",
-                 "first")  # fmt: skip
+                 "constexprs", "tune_key", "candidates", "n_tokens", "launches")  # fmt: skip
 
     def __init__(self, q, k, cos, sin, unsqueeze_dim, backward, out) -> None:
         self.ud, self.backward = unsqueeze_dim, backward
         # The outputs' layouts (empty_like's, which no stride formula here would match for
-        # every size-1 dim); the new ones made here are the first call's outputs.
-        qo = _out_like(q) if out[0] is None else out[0]
-        ko = _out_like(k) if out[1] is None else out[1]
+        # every size-1 dim), read off meta tensors: every call allocates its own outputs, so
+        # two threads making a shape's first calls never share a buffer.
+        qo = _out_like(q, "meta") if out[0] is None else out[0]
+        ko = _out_like(k, "meta") if out[1] is None else out[1]
         self.qo_strides, self.ko_strides = qo.stride(), ko.stride()
-        self.first = (qo if out[0] is None else None, ko if out[1] is None else None)
         qv, kv = _unit_last(_to_bhtd(q, unsqueeze_dim)), _unit_last(_to_bhtd(k, unsqueeze_dim))
         qov, kov = _to_bhtd(qo, unsqueeze_dim), _to_bhtd(ko, unsqueeze_dim)
         b, hq, t, d = qv.shape
@@ -363,11 +363,6 @@ class _RotatePlan:
     def __call__(self, q, k, cos, sin, repeats, out, cfg=None):
         ud = self.ud
         qo, ko = out
-        first = self.first
-        if first is not None:  # the plan's first call: outputs made while planning
-            self.first = None
-            qo = first[0] if qo is None else qo
-            ko = first[1] if ko is None else ko
         if qo is None:
             qo = torch.empty_strided(q.shape, self.qo_strides, dtype=q.dtype, device=q.device)
         if ko is None:
@@ -705,12 +700,14 @@ def apply_rotary_pos_emb(
         if triton_supported(q, k, cos, sin, unsqueeze_dim):
             return rope(q, k, cos, sin, unsqueeze_dim, False)
         return composite(q, k, cos, sin, unsqueeze_dim)
+    if not use_triton(q):  # first: a CPU call without the interpreter builds no key
+        return composite(q, k, cos, sin, unsqueeze_dim)
     key = _eager_key(q, k, cos, sin, unsqueeze_dim)
     plan = _EAGER_PLANS.get(key)
     if plan is None:
         plan = _EagerPlan(q, k, cos, sin, unsqueeze_dim)
         _EAGER_PLANS.keep(key, plan)
-    if not (plan.triton and use_triton(q)):
+    if not plan.triton:
         return composite(q, k, cos, sin, unsqueeze_dim)
     return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, plan)
 
