@@ -59,10 +59,26 @@ def _grid_rows(n: int, vocab: int, budget: int, default: int) -> list[int]:
     return sorted({r for r in rows if low <= r <= cap})
 
 
-def _grid(name: str, n: int, h: int, v: int, module, rounds: int) -> list[tuple]:
+def _inputs(n: int, h: int, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * h**-0.5).requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda")
+    return x, w, torch.randint(0, v, (n,), device="cuda")
+
+
+def _device_medians(fns: dict, rounds: int) -> dict:
+    """Median device ms of each fn after a first (compiling, tuning) call; the fns take turns
+    over `rounds`, so a drift of the GPU favours none."""
+    for f in fns.values():
+        f()
+    dev: dict = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            dev[k].append(_device_ms(f, reps=10))
+    return {k: statistics.median(v) for k, v in dev.items()}
+
+
+def _grid(name: str, n: int, h: int, v: int, module, rounds: int) -> list[tuple]:
+    x, w, t = _inputs(n, h, v)
     flce, budget = module.fused_linear_cross_entropy, module.MAX_CHUNK_BYTES
     vpad = _ceil_to(v, 64)
     default = min(module.default_chunk_rows(n, vpad, 2), module.row_cap(h, vpad, 2))
@@ -70,39 +86,26 @@ def _grid(name: str, n: int, h: int, v: int, module, rounds: int) -> list[tuple]
         r: (lambda r=r: torch.autograd.grad(flce(x, w, t, chunk_rows=r), [x, w]))
         for r in _grid_rows(n, v, budget, default)
     }
-    for f in fns.values():
-        f()
-    dev: dict[int, list[float]] = {r: [] for r in fns}
-    for _ in range(rounds):
-        for r, f in fns.items():
-            dev[r].append(_device_ms(f, reps=10))
     out = []
-    for r in fns:
+    for r, ms in _device_medians(fns, rounds).items():
         label = f"ours chunk {r}" + (" (default)" if r == default else "")
-        out.append((name, label, statistics.median(dev[r]), float("nan"), float("nan")))
+        out.append((name, label, ms, float("nan"), float("nan")))
         print(out[-1], flush=True)
     return out
 
 
 def _one_shape(name: str, n: int, h: int, v: int, flce, budget: int, rounds: int) -> list[tuple]:
-    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * h**-0.5).requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda")
+    x, w, t = _inputs(n, h, v)
     compiled = torch.compile(_eager_flce)
     impls = {"torch.compile": lambda: compiled(x, w, t)}
     for rows in _row_counts(n, v, budget):
         label = "ours default" if rows is None else f"ours chunk {rows}"
         impls[label] = lambda rows=rows: flce(x, w, t, chunk_rows=rows)
     fwd_bwd = {k: (lambda f=f: torch.autograd.grad(f(), [x, w])) for k, f in impls.items()}
-    for f in fwd_bwd.values():
-        f()  # compile, tune
-    dev: dict[str, list[float]] = {k: [] for k in fwd_bwd}
-    for _ in range(rounds):
-        for k, f in fwd_bwd.items():
-            dev[k].append(_device_ms(f, reps=10))
     rows_out = []
-    for k, f in fwd_bwd.items():
-        rows_out.append((name, k, statistics.median(dev[k]), _wall_ms(f), _extra_peak_mib(f)))
+    for k, ms in _device_medians(fwd_bwd, rounds).items():
+        f = fwd_bwd[k]
+        rows_out.append((name, k, ms, _wall_ms(f), _extra_peak_mib(f)))
         print(rows_out[-1], flush=True)
     return rows_out
 
