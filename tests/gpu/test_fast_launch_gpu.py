@@ -204,6 +204,33 @@ def test_bound_launch_replays_directly_and_falls_back_off_its_specialisation(sca
     assert other is not kept and bound.ready[1] is kept
 
 
+def test_bound_launch_passes_no_host_pointer_and_honours_hooks(scaled_copy):
+    """The direct path hands the launcher addresses as ints, which it no longer checks: a tensor
+    in host memory must still take Triton's path (and its error), not reach the GPU; a launch
+    hook set after the kernel was kept must still be called (Triton's path again)."""
+    import triton
+
+    bound = scaled_copy.bound((8,), {"BLOCK": 128, "NEGATE": False})
+    x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(1000, dtype=x.dtype, device="cuda")
+    bound(x, y, 1000, 3, 2.0)
+    assert bound.ready is not None
+    host = torch.randn(4096, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cpu tensor"):
+        bound(host, y, 1000, 3, 2.0)
+    torch.cuda.synchronize()  # a host address launched on the GPU would fault here
+    seen = []
+    runtime = triton.knobs.runtime
+    before = runtime.launch_enter_hook
+    runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    try:
+        bound(x, y, 1000, 3, 2.0)
+    finally:
+        runtime.launch_enter_hook = before
+    assert len(seen) == 1
+    torch.testing.assert_close(y, (x[:3000:3].float() * 2.0).to(x.dtype), rtol=0, atol=0)
+
+
 def test_rms_norm_plans_launch_directly_after_the_first_call():
     """RMSNorm fwd+bwd through the public function: once its plans are made, a second call
     with new tensors of the same key launches all three kernels without Triton's binder, and

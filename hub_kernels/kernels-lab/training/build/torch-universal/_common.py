@@ -288,10 +288,18 @@ class BoundLaunch:
     def __call__(self, *args):
         ready = self.ready
         if ready is not None:
+            # The launcher takes a pointer argument given as an int as it is; given a tensor it
+            # calls data_ptr() and asks the driver about the address (cuPointerGetAttribute),
+            # for each tensor on every launch. The addresses are read here anyway for the
+            # alignment check. A tensor not on a GPU (which the driver's answer would have
+            # refused, or mapped) takes Triton's path.
+            flat = list(args)
             for i, dtype in self.tensors:
                 t = args[i]
-                if t.data_ptr() & 15 or t.dtype is not dtype:  # dtypes are singletons
+                ptr = t.data_ptr()
+                if ptr & 15 or t.dtype is not dtype or not t.is_cuda:  # dtypes are singletons
                     return self._through_fast_launch(args)
+                flat[i] = ptr
             runtime = triton.knobs.runtime
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
             device = torch._C._cuda_getDevice()  # what Triton launches on: the current device
@@ -304,8 +312,9 @@ class BoundLaunch:
                 g = self.g
                 stream = torch._C._cuda_getCurrentRawStream(device)
                 try:
+                    # No hook is set: None spares the launcher calling two empty hook chains.
                     kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
-                               None, enter, leave, *args, *tail)  # fmt: skip
+                               None, None, None, *flat, *tail)  # fmt: skip
                 except TypeError:  # see FastLaunch.launch: Triton's path, for good
                     self.ready = None
                     self.fast.enabled = False
