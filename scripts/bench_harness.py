@@ -12,8 +12,9 @@ Two timings per closure, both medians with the L2 flushed before each call:
   implementations take turns over a few rounds (30 calls each) and the median round counts, so
   a drift of the GPU's speed during a case does not favour whichever ran first;
 - wall time (`fwd_wall_ms`, `fwd_bwd_wall_ms`): `triton.testing.do_bench` as is (median, L2
-  flushed before each call, nothing queued ahead), so a call whose host work outlasts its GPU
-  work is timed at its host's pace, as a user at small batch sees it.
+  flushed before each call, nothing queued ahead; at least ~20 timed calls, rep 50 ms or more),
+  so a call whose host work outlasts its GPU work is timed at its host's pace, as a user at
+  small batch sees it.
 
 Each case's table rows say which implementation is best in device and in wall time, and whether
 ours is within 3 % of the best peer in both and uses no more memory than Liger (`verdict`).
@@ -114,9 +115,16 @@ def measure_ceilings() -> Ceilings:
 
 
 def _wall_ms(fn: Callable[[], object]) -> float:
+    """do_bench's median wall time over at least ~20 timed calls: do_bench repeats a call
+    rep / (its own estimate) times, so rep=50 ms alone timed one call of a 40 ms op."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - t) * 1e3
+    return do_bench(fn, warmup=10, rep=max(50.0, 20 * once_ms), return_mode="median")
 
 
 def host_us(fn: Callable[[], object], calls: int = 300, warmup: int = 1) -> float:
