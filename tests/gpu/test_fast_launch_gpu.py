@@ -204,30 +204,60 @@ def test_bound_launch_replays_directly_and_falls_back_off_its_specialisation(sca
     assert other is not kept and bound.ready[1] is kept
 
 
-def test_bound_launch_passes_no_host_pointer_and_honours_hooks(scaled_copy):
-    """The direct path hands the launcher addresses as ints, which it no longer checks: a tensor
-    in host memory must still take Triton's path (and its error), not reach the GPU; a launch
-    hook set after the kernel was kept must still be called (Triton's path again)."""
-    import triton
-
+def _kept_bound_launch(scaled_copy):
     bound = scaled_copy.bound((8,), {"BLOCK": 128, "NEGATE": False})
     x = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     y = torch.zeros(1000, dtype=x.dtype, device="cuda")
     bound(x, y, 1000, 3, 2.0)
     assert bound.ready is not None
+    return bound, x, y
+
+
+def test_bound_launch_passes_no_host_pointer(scaled_copy):
+    """The direct path hands the launcher addresses as ints, which it no longer checks: a tensor
+    in host memory must still take Triton's path (and its error), not reach the GPU."""
+    bound, _, y = _kept_bound_launch(scaled_copy)
     host = torch.randn(4096, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="cpu tensor"):
         bound(host, y, 1000, 3, 2.0)
     torch.cuda.synchronize()  # a host address launched on the GPU would fault here
-    seen = []
+
+
+def test_bound_launch_honours_hooks_and_resumes_without_them(scaled_copy):
+    """A launch hook set after the kernel was kept (assigned, or added to Triton's chain; enter
+    or exit) is called: Triton's path. Once removed, the direct path is taken again."""
+    import triton
+
+    from tests.gpu.launches import _add_launch_hook
+
+    bound, x, y = _kept_bound_launch(scaled_copy)
     runtime = triton.knobs.runtime
-    before = runtime.launch_enter_hook
-    runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    seen = []
+    remove = _add_launch_hook(seen.append)
     try:
         bound(x, y, 1000, 3, 2.0)
     finally:
-        runtime.launch_enter_hook = before
+        remove()
     assert len(seen) == 1
+    exits = []
+    hook, before = exits.append, runtime.launch_exit_hook
+    if hasattr(before, "add"):  # triton >= 3.5: a chain of hooks
+        before.add(hook)
+        undo = lambda: before.remove(hook)  # noqa: E731
+    else:
+        runtime.launch_exit_hook = hook
+        undo = lambda: setattr(runtime, "launch_exit_hook", before)  # noqa: E731
+    try:
+        bound(x, y, 1000, 3, 2.0)
+    finally:
+        undo()
+    assert len(exits) == 1
+    restore = forbid_triton_path(scaled_copy)
+    try:
+        y.zero_()
+        bound(x, y, 1000, 3, 2.0)  # no hook left: the direct path, or this raises
+    finally:
+        restore()
     torch.testing.assert_close(y, (x[:3000:3].float() * 2.0).to(x.dtype), rtol=0, atol=0)
 
 

@@ -291,23 +291,25 @@ class BoundLaunch:
             # The launcher takes a pointer argument given as an int as it is; given a tensor it
             # calls data_ptr() and asks the driver about the address (cuPointerGetAttribute),
             # for each tensor on every launch. The addresses are read here anyway for the
-            # alignment check. A tensor not on a GPU (which the driver's answer would have
-            # refused, or mapped) takes Triton's path.
+            # alignment check. A tensor off the device the kernel was kept for (host memory, or
+            # another GPU: the driver's answer would refuse or map it) takes Triton's path.
             flat = list(args)
+            device = ready[0]
             for i, dtype in self.tensors:
                 t = args[i]
                 ptr = t.data_ptr()
-                if ptr & 15 or t.dtype is not dtype or not t.is_cuda:  # dtypes are singletons
+                # dtypes are singletons; get_device() is -1 for host memory
+                if ptr & 15 or t.dtype is not dtype or t.get_device() != device:
                     return self._through_fast_launch(args)
                 flat[i] = ptr
             runtime = triton.knobs.runtime
             enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-            device = torch._C._cuda_getDevice()  # what Triton launches on: the current device
             # _hooked(enter) or _hooked(leave), without two calls per launch
             hooked = (enter is not None and getattr(enter, "calls", True)) or (
                 leave is not None and getattr(leave, "calls", True)
             )
-            if device == ready[0] and not hooked:
+            # What Triton launches on is the current device.
+            if torch._C._cuda_getDevice() == device and not hooked:
                 kernel, tail = ready[1], ready[2]
                 g = self.g
                 stream = torch._C._cuda_getCurrentRawStream(device)
