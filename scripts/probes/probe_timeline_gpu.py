@@ -23,10 +23,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_harness import load_training_kernels  # noqa: E402
+from probe_wall_gpu import rope_anchor_case  # noqa: E402
 
 DT = torch.bfloat16
 EV: list[tuple[str, int]] = []
@@ -89,13 +90,7 @@ def cases(kt) -> dict:
     ga = (torch.randn(4096, 3072, device="cuda", dtype=DT),)
     out["torch silu*mul 4096x3072"] = (lambda: F.silu(a) * b, [a, b], ga)
     out["ours silu_mul 4096x3072"] = (lambda: kt.silu_mul(a, b), [a, b], ga)
-    bq, hq, hk, t, d = 8, 32, 8, 2048, 128
-    q = torch.randn(bq, t, hq, d, device="cuda", dtype=DT).transpose(1, 2).requires_grad_()
-    k = torch.randn(bq, t, hk, d, device="cuda", dtype=DT).transpose(1, 2).requires_grad_()
-    emb = torch.randn(bq, t, d // 2, device="cuda").repeat(1, 1, 2)
-    cos, sin = emb.cos().to(DT), emb.sin().to(DT)
-    gq, gk = torch.randn_like(q), torch.randn_like(k)
-    out["ours rope anchor"] = (lambda: kt.apply_rotary_pos_emb(q, k, cos, sin), [q, k], (gq, gk))
+    out["ours rope anchor"] = rope_anchor_case(kt)
     return out
 
 

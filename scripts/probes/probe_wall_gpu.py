@@ -44,6 +44,18 @@ def _k14(X, Y, W, R, M, N, s1, s2, s3, s4, eps, off, BLOCK: tl.constexpr, MODE: 
     tl.store(Y + pid * s2 + cols, x, mask=cols < N)
 
 
+def rope_anchor_case(kt):
+    """(fwd, leaves, gradients) of RoPE at the anchor: q 8x32x2048x128 and k with 8 heads, in
+    transformers' [batch, heads, seq, head_dim] layout (a transposed view), bf16."""
+    b, hq, hk, t, d = 8, 32, 8, 2048, 128
+    q = torch.randn(b, t, hq, d, device="cuda", dtype=DT).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, t, hk, d, device="cuda", dtype=DT).transpose(1, 2).requires_grad_()
+    emb = torch.randn(b, t, d // 2, device="cuda").repeat(1, 1, 2)
+    cos, sin = emb.cos().to(DT), emb.sin().to(DT)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    return (lambda: kt.apply_rotary_pos_emb(q, k, cos, sin), [q, k], (gq, gk))
+
+
 def launch_costs():
     x = torch.randn(64, 128, device="cuda", dtype=DT)
     y, w, r = torch.empty_like(x), torch.ones(128, device="cuda"), torch.empty(64, device="cuda")
@@ -176,13 +188,7 @@ def main():
             g,
         )
         cases[f"ours rms_norm {m}x{n}"] = (lambda x=x, w=w: kt.rms_norm(x, w, 1e-6), [x, w], g)
-    b, hq, hk, t, d = 8, 32, 8, 2048, 128
-    q = torch.randn(b, t, hq, d, device="cuda", dtype=DT).transpose(1, 2).requires_grad_()
-    k = torch.randn(b, t, hk, d, device="cuda", dtype=DT).transpose(1, 2).requires_grad_()
-    emb = torch.randn(b, t, d // 2, device="cuda").repeat(1, 1, 2)
-    cos, sin = emb.cos().to(DT), emb.sin().to(DT)
-    gq, gk = torch.randn_like(q), torch.randn_like(k)
-    cases["ours rope anchor"] = (lambda: kt.apply_rotary_pos_emb(q, k, cos, sin), [q, k], (gq, gk))
+    cases["ours rope anchor"] = rope_anchor_case(kt)
     a = torch.randn(4096, 3072, device="cuda", dtype=DT, requires_grad=True)
     c = torch.randn(4096, 3072, device="cuda", dtype=DT, requires_grad=True)
     ga = (torch.randn(4096, 3072, device="cuda", dtype=DT),)
