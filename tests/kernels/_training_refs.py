@@ -64,6 +64,21 @@ def rope64(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + rot(q) * sin, k * cos + rot(k) * sin
 
 
+def check_rope(q, k, cos, sin, qo, ko, unsqueeze_dim, dtype, grads=None, ref=rope64) -> None:
+    """q_embed, k_embed (qo, ko) and the gradients of the leaves q, k against `ref` in float64.
+    The gradients reaching qo and ko are `grads` (cast to their dtypes; the reference takes them
+    uncast), else fresh random ones."""
+    dq, dk = grads if grads is not None else (torch.randn_like(qo), torch.randn_like(ko))
+    torch.autograd.backward((qo, ko), (dq.to(qo.dtype), dk.to(ko.dtype)))
+    q64, k64 = leaf64(q), leaf64(k)
+    qr, kr = ref(q64, k64, cos.double(), sin.double(), unsqueeze_dim)
+    torch.autograd.backward((qr, kr), (dq.double(), dk.double()))
+    assert_close(qo, qr, dtype, "q_embed")
+    assert_close(ko, kr, dtype, "k_embed")
+    assert_close(q.grad, q64.grad, dtype, "dq")
+    assert_close(k.grad, k64.grad, dtype, "dk")
+
+
 def silu64(x):
     return x / (1.0 + torch.exp(-x))
 

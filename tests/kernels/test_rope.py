@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from _training_refs import DTYPES, assert_close, leaf64, rope64
+from _training_refs import DTYPES, assert_close, check_rope, leaf64, rope64
 
 # (B, T, Hq, Hk, D, cos batch): GQA, MHA, one token, head_dim whose half is not a power of two.
 CASES = [
@@ -30,16 +30,7 @@ def make_inputs(b, t, hq, hk, d, cos_batch, dtype, layout):
     return q.requires_grad_(), k.requires_grad_(), emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def check(q, k, cos, sin, qo, ko, unsqueeze_dim, dtype):
-    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
-    torch.autograd.backward((qo, ko), (dq, dk))
-    q64, k64 = leaf64(q), leaf64(k)
-    qr, kr = rope64(q64, k64, cos.double(), sin.double(), unsqueeze_dim)
-    torch.autograd.backward((qr, kr), (dq.double(), dk.double()))
-    assert_close(qo, qr, dtype, "q_embed")
-    assert_close(ko, kr, dtype, "k_embed")
-    assert_close(q.grad, q64.grad, dtype, "dq")
-    assert_close(k.grad, k64.grad, dtype, "dk")
+check = check_rope
 
 
 @pytest.mark.parametrize("checked", [False, True], ids=["small", "halves checked"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _training_refs import assert_close, leaf64, rope64
+from _training_refs import assert_close, check_rope, rope64
 
 # Shapes no other RoPE test uses, so these tests make their plans' first calls.
 B, T, HQ, HK, D = 2, 7, 3, 1, 12
@@ -37,14 +37,7 @@ def _grad(layout: str, shape, unsqueeze_dim: int) -> torch.Tensor:
 def _check(kt, q, k, cos, sin, gq, gk, unsqueeze_dim, dtype=torch.float32):
     """The eager forward and backward of q, k (leaves) against float64."""
     qo, ko = kt.rope.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
-    torch.autograd.backward((qo, ko), (gq.to(qo.dtype), gk.to(ko.dtype)))
-    q64, k64 = leaf64(q), leaf64(k)
-    qr, kr = rope64(q64, k64, cos.double(), sin.double(), unsqueeze_dim)
-    torch.autograd.backward((qr, kr), (gq.double(), gk.double()))
-    assert_close(qo, qr, dtype, "q_embed")
-    assert_close(ko, kr, dtype, "k_embed")
-    assert_close(q.grad, q64.grad, dtype, "dq")
-    assert_close(k.grad, k64.grad, dtype, "dk")
+    check_rope(q, k, cos, sin, qo, ko, unsqueeze_dim, dtype, grads=(gq, gk))
 
 
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _training_refs import DTYPES, assert_close, leaf64, rope64
+from _training_refs import DTYPES, check_rope, rope64
 
 
 def partial64(q, k, cos, sin, unsqueeze_dim):
@@ -28,15 +28,7 @@ def test_partial_rotary_matches_float64(kt, dtype, rotary, head, unsqueeze_dim):
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     qo, ko = kt.rope.apply_partial_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
-    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
-    torch.autograd.backward((qo, ko), (dq, dk))
-    q64, k64 = leaf64(q), leaf64(k)
-    qr, kr = partial64(q64, k64, cos.double(), sin.double(), unsqueeze_dim)
-    torch.autograd.backward((qr, kr), (dq.double(), dk.double()))
-    assert_close(qo, qr, dtype, "q_embed")
-    assert_close(ko, kr, dtype, "k_embed")
-    assert_close(q.grad, q64.grad, dtype, "dq")
-    assert_close(k.grad, k64.grad, dtype, "dk")
+    check_rope(q, k, cos, sin, qo, ko, unsqueeze_dim, dtype, ref=partial64)
     # the pass-through dims are the input, bit for bit
     assert torch.equal(qo[..., rotary:], q[..., rotary:])
 
@@ -74,12 +66,4 @@ def test_interleaved_rotary_matches_float64(kt, dtype, rotary, head, unsqueeze_d
     angles = torch.randn(b, t, rotary // 2) * 3
     cp, sp = angles.cos().to(dtype), angles.sin().to(dtype)
     qo, ko = kt.rope.apply_interleaved_rotary_pos_emb(q, k, cp, sp, unsqueeze_dim)
-    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
-    torch.autograd.backward((qo, ko), (dq, dk))
-    q64, k64 = leaf64(q), leaf64(k)
-    qr, kr = interleaved64(q64, k64, cp.double(), sp.double(), unsqueeze_dim)
-    torch.autograd.backward((qr, kr), (dq.double(), dk.double()))
-    assert_close(qo, qr, dtype, "q_embed")
-    assert_close(ko, kr, dtype, "k_embed")
-    assert_close(q.grad, q64.grad, dtype, "dq")
-    assert_close(k.grad, k64.grad, dtype, "dk")
+    check_rope(q, k, cp, sp, qo, ko, unsqueeze_dim, dtype, ref=interleaved64)
