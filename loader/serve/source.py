@@ -33,9 +33,11 @@ from ..errors import MirrorSourceError
 from .mirror import valid_name
 
 SKIP_NAMES = frozenset({".git", "__pycache__"})
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# getattr: flags POSIX has and Windows lacks (there the module imports, but builds are untested).
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
 # O_NONBLOCK: a FIFO swapped in after the lstat opens at once (then fstat refuses it), never waits.
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+_FILE_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
 _CHUNK = 1 << 20
 
 _LINK_HINT = (
@@ -80,7 +82,7 @@ def read_source(src: Path, staging: Path) -> list[SourceRepo]:
     base = os.path.join(src, "")  # "SRC/": errors name entries the way the builder wrote SRC
     reader = _Reader(staging, base)
     repos = []
-    root = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    root = os.open(src, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         for org, org_fd, org_exposure in _subfolders(root, base, root_exposure):
             try:

@@ -191,15 +191,18 @@ def test_half_sent_connections_do_not_stop_honest_clients(tmp_path):
     GitRepoWriter(root / "evil" / "relu").commit({"README.md": "relu\n"})
     _raise_fd_limit(HALF_SENT + 200)
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (SERVE_FD_LIMIT, SERVE_FD_LIMIT))
-
+    # `kernels serve` in a process of its own, limited as a login shell would limit it (set in
+    # that process, not with preexec_fn, which is unsafe in this threaded test process).
+    serve = (
+        "import resource, sys; from kernels.serve import main; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({SERVE_FD_LIMIT}, {SERVE_FD_LIMIT})); "
+        "sys.exit(main(sys.argv[1:]))"
+    )
     server = subprocess.Popen(
-        [sys.executable, "-m", "kernels", "serve", str(root), "--port", "0"],
+        [sys.executable, "-c", serve, str(root), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        preexec_fn=limit,
     )
     socks: list[socket.socket] = []
     try:
