@@ -143,6 +143,14 @@ class InsufficientSpace(CacheError):
     hint = "free disk space, or set KERNELS_CACHE to a folder on a larger disk"
 
 
+class MirrorSourceError(KernelsError, ValueError):
+    """`kernels mirror build` found an entry in SRC it will not copy: a symbolic link, something
+    that is not a regular file or folder, a name with control characters, or a file only your
+    rights can read in a place another user controls (docs/security.md)."""
+
+    hint = "remove or replace the entry named above, or build from a folder only you can write"
+
+
 # -- drop-in subclasses: the exception types the reference `kernels` API raises ----------------
 
 

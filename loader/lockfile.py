@@ -210,15 +210,13 @@ def write_lock(lock: Lockfile, path: Path) -> None:
 
 def read_dependencies(pyproject: Path) -> dict[str, Requested]:
     """[tool.kernels.dependencies] of a pyproject.toml."""
+    from .toml_text import TomlError, loads
+
     try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    try:
-        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        data = loads(pyproject.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise LockfileError(f"{pyproject}: no such file") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, TomlError) as exc:
         raise LockfileError(f"{pyproject}: cannot parse ({exc})") from None
     deps = data.get("tool", {}).get("kernels", {}).get("dependencies", {})
     if not isinstance(deps, dict):

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from .status_file import Redirect
 
 FILENAME = "kernel-status.toml"
-MAX_BYTES = 64 * 1024
+# A status file is three short lines. tomllib takes time quadratic in a dotted key's depth (a
+# 64 KiB key took 27 s), so the cap is small: at 4 KiB the worst file parses in a fraction of a second.
+MAX_BYTES = 4 * 1024
 MAX_HOPS = 4
 
 
@@ -98,19 +100,29 @@ class NeedNetwork(Exception):
 def lookup(cache: Cache, repo_id: str, commit: str, *, network: bool) -> Redirect | None:
     """The status of `repo_id` at `commit`, or None. Without `network`, raise NeedNetwork when
     the commit has no record yet (the caller retries with the Hub); `network=None` means
-    offline: no record reads as no status."""
+    offline: no record reads as no status. A fetched file is parsed before it is recorded, so
+    a malformed one (KernelStatusError) leaves the cache as it was."""
     path = _record_path(cache, repo_id, commit)
     try:
-        data = path.read_bytes()
+        data: bytes | None = path.read_bytes()
     except FileNotFoundError:
         if network is None:
             return None
         if not network:
             raise NeedNetwork from None
-        data = _fetch(repo_id, commit)
-        _store(cache, path, data)
+        data = None
     except OSError:
         return None
+    if data is not None:
+        return _decode(data, repo_id, commit)
+    data = _fetch(repo_id, commit)
+    redirect = _decode(data, repo_id, commit)
+    _store(cache, path, data)
+    return redirect
+
+
+def _decode(data: bytes, repo_id: str, commit: str) -> Redirect | None:
+    """The status a file's bytes state (None for no file); KernelStatusError when malformed."""
     if not data:
         return None
     try:

@@ -300,7 +300,7 @@ def main() -> int:
     from kernels.serve import build_mirror
 
     mirror = base / "mirror"
-    build_mirror(ROOT / "hub_kernels", mirror)
+    build_mirror(ROOT / "hub_kernels", mirror, trusted_publishers=["kernels-lab"])
     rows = [
         measure("reference 0.17.2", args.reference, mirror, base),
         measure("this project", args.ours, mirror, base),

@@ -589,7 +589,7 @@ def start_mirror(work: Path) -> tuple[subprocess.Popen, dict[str, str]]:
     from kernels.serve import build_mirror
 
     mirror = work / "mirror"
-    build_mirror(ROOT / "hub_kernels", mirror)
+    build_mirror(ROOT / "hub_kernels", mirror, trusted_publishers=["kernels-lab"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "kernels.cli.main", "serve", str(mirror), "--port", "0"],
         stdout=subprocess.PIPE,

@@ -114,12 +114,9 @@ def kernels_cli(*args: str) -> str:
 
 def demo(work: Path) -> int:
     mirror = work / "mirror"
-    print(f"$ kernels mirror build hub_kernels {mirror}")
-    print(
-        textwrap.indent(
-            kernels_cli("mirror", "build", str(ROOT / "hub_kernels"), str(mirror)), "  "
-        )
-    )
+    print(f"$ kernels mirror build hub_kernels {mirror} --trust kernels-lab")
+    build = ("mirror", "build", str(ROOT / "hub_kernels"), str(mirror), "--trust", "kernels-lab")
+    print(textwrap.indent(kernels_cli(*build), "  "))
 
     server = subprocess.Popen(
         [sys.executable, "-m", "kernels", "serve", str(mirror), "--port", "0"],

@@ -53,7 +53,7 @@ def start_mirror() -> None:
     from kernels.serve import MirrorServer, build_mirror
 
     work = Path(tempfile.mkdtemp(prefix="sweep-models-"))
-    build_mirror(ROOT / "hub_kernels", work / "mirror")
+    build_mirror(ROOT / "hub_kernels", work / "mirror", trusted_publishers=["kernels-lab"])
     server = MirrorServer(work / "mirror").start()
     os.environ.update(
         HF_ENDPOINT=server.url,

@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 from kernels.serve import BuiltRepo, GitRepoWriter, MirrorServer, build_mirror
+from kernels.serve.mirror import CONFIG_NAME, read_trusted_publishers
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="kernels-tests-"))
 _EMPTY_ROOT = _SESSION_DIR / "empty-root"
@@ -66,9 +67,13 @@ class Hub:
             raise ValueError(f"repo id must be 'org/name', got {repo_id!r}")
         return GitRepoWriter(self.root / org / name)
 
-    def build(self, src: Path) -> list[BuiltRepo]:
-        """Mirror the Hub-layout folders under `src` (see kernels.serve.build_mirror) into root."""
-        return build_mirror(src, self.root)
+    def build(self, src: Path, *, trust: Iterable[str] | None = None) -> list[BuiltRepo]:
+        """Mirror the Hub-layout folders under `src` (see kernels.serve.build_mirror) into root.
+        Whom the mirror trusts is the builder's decision, never the source's: here `trust`, else
+        (on purpose, for the suite's own folders) the orgs src/kernels-mirror.toml names."""
+        if trust is None and (src / CONFIG_NAME).is_file():
+            trust = read_trusted_publishers(src / CONFIG_NAME)
+        return build_mirror(src, self.root, trusted_publishers=trust)
 
     def trust(self, *orgs: str) -> None:
         """Write root/kernels-mirror.toml so that exactly `orgs` are trusted publishers."""

@@ -50,6 +50,8 @@ def docs_env(tmp_path):
             "build",
             str(ROOT / "hub_kernels"),
             str(mirror),
+            "--trust",
+            "kernels-lab",
         ],
         capture_output=True,
         text=True,
@@ -148,7 +150,7 @@ JSON_RUNS = {
     "versions": "kernels versions kernels-lab/activation --json",
     "env": "kernels env --json",
     "export": "kernels export json-export --json",
-    "mirror build": "kernels mirror build hub_kernels json-mirror --json",
+    "mirror build": "kernels mirror build hub_kernels json-mirror --trust kernels-lab --json",
 }
 
 

@@ -4,7 +4,7 @@ A mirror for machines without internet, and the Hub the test suite talks to. Sta
 plus the `git` binary; huggingface_hub clients need only HF_ENDPOINT pointed at it.
 
     MirrorServer(root, host="127.0.0.1", port=0, lfs_redirect=True)   serve root/<org>/<name>
-    build_mirror(src, dest) -> list[BuiltRepo]                         Hub-layout folders -> git repos
+    build_mirror(src, dest, trusted_publishers=None) -> [BuiltRepo]  Hub-layout folders -> git repos
     GitRepoWriter(path)                                                write fixture repos
     main(argv) -> int                                                  the `kernels serve` command
 """

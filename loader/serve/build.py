@@ -6,21 +6,27 @@ is the `version` every `build/<variant>/metadata.json` states. The commit has no
 fixed identity and date, so its sha depends only on the files: the same folder gives the same
 sha on every machine, and an unchanged folder gives no new commit. Branches of earlier versions
 stay, so rebuilding after a version bump keeps the old `v<N>` around.
+
+SRC is read as another user's folder (kernels.serve.source: no links, no special files, no
+private files where others can write), all of it before DEST is touched. Whom the mirror reports
+as trusted publishers is the builder's decision (`trusted_publishers=`), never SRC's.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidMetadata
-from .mirror import CONFIG_NAME, read_trusted_publishers, valid_name
+from kernels.cache.fsutil import atomic_write_bytes
+
+from ..errors import InvalidMetadata, InvalidSpec
+from .mirror import CONFIG_NAME, valid_name
+from .source import SourceRepo, read_source
 from .writer import GitRepoWriter, commit_tree, rev, set_ref, tree_of, write_tree
 
-_SKIP_DIRS = {".git", "__pycache__"}
 _VERSION_HINT = 'give every build/<variant>/metadata.json of the repo the same integer "version"'
 
 
@@ -35,45 +41,64 @@ class BuiltRepo:
     changed: bool  # False when `main` already held exactly these files
 
 
-def build_mirror(src: Path | str, dest: Path | str) -> list[BuiltRepo]:
-    """Create or update `dest/<org>/<name>` for every `src/<org>/<name>/build/`; copy the config.
+def build_mirror(
+    src: Path | str, dest: Path | str, *, trusted_publishers: Iterable[str] | None = None
+) -> list[BuiltRepo]:
+    """Create or update `dest/<org>/<name>` for every `src/<org>/<name>/build/`.
 
-    Every repo's metadata is checked before anything is written (InvalidMetadata otherwise).
+    SRC is read whole first: MirrorSourceError (an entry the build will not copy) and
+    InvalidMetadata (versions) leave DEST untouched. `trusted_publishers` (org names) replaces
+    DEST/kernels-mirror.toml; None leaves it as it is. SRC's own kernels-mirror.toml is never read.
     """
     src, dest = Path(src), Path(dest)
     if not src.is_dir():
         raise NotADirectoryError(f"mirror source {src} is not a directory")
-    plans = []
-    for org_dir in _subdirs(src):
-        for repo_dir in _subdirs(org_dir):
-            if (repo_dir / "build").is_dir():
-                repo_id = f"{org_dir.name}/{repo_dir.name}"
-                plans.append((repo_id, repo_dir, _version(repo_dir, repo_id)))
-    config = src / CONFIG_NAME
-    if config.is_file():
-        read_trusted_publishers(config)  # refuse to copy a config the server would reject
-    dest.mkdir(parents=True, exist_ok=True)
-    built = [_build_repo(repo_id, repo_dir, version, dest) for repo_id, repo_dir, version in plans]
-    if config.is_file():
-        shutil.copyfile(config, dest / CONFIG_NAME)
+    orgs = None if trusted_publishers is None else _org_names(trusted_publishers)
+    with tempfile.TemporaryDirectory(prefix="kernels-mirror-build-") as staging:
+        repos = read_source(src, Path(staging))
+        plans = [(repo, _version(repo)) for repo in repos]
+        dest.mkdir(parents=True, exist_ok=True)
+        built = [_build_repo(repo, version, dest) for repo, version in plans]
+    if orgs is not None:
+        write_trusted_publishers(dest / CONFIG_NAME, orgs)
     return built
 
 
-def _subdirs(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if p.is_dir() and valid_name(p.name))
+def _org_names(names: Iterable[str]) -> list[str]:
+    orgs = sorted(set(names))
+    for org in orgs:
+        if not isinstance(org, str) or not valid_name(org):
+            raise InvalidSpec(
+                f"{org!r} is not an org name", hint="name trusted publishers like kernels-community"
+            )
+    return orgs
 
 
-def _version(repo_dir: Path, repo_id: str) -> int:
+def write_trusted_publishers(path: Path, orgs: list[str]) -> None:
+    """Write a kernels-mirror.toml that trusts exactly `orgs` (mode 0644, atomically)."""
+    names = ", ".join(json.dumps(org) for org in orgs)
+    text = (
+        "# Written by `kernels mirror build --trust`: the publishers this mirror reports as\n"
+        "# trusted (GET /api/organizations/<org>/overview).\n"
+        f"trusted_publishers = [{names}]\n"
+    )
+    atomic_write_bytes(path, text.encode())
+
+
+def _version(repo: SourceRepo) -> int:
     """The one version all variants' metadata.json agree on."""
+    # A variant is a folder of build/ that holds files (git keeps no empty folders).
+    variants = sorted(
+        {p.split("/")[1] for p, _, _ in repo.files if p.startswith("build/") and p.count("/") >= 2}
+    )
     versions: dict[str, int] = {}
-    for variant in sorted((repo_dir / "build").iterdir()):
-        if not variant.is_dir() or variant.name in _SKIP_DIRS:
-            continue
-        where = f"{repo_id}: build/{variant.name}/metadata.json"
+    for variant in variants:
+        where = f"{repo.repo_id}: build/{variant}/metadata.json"
+        staged = repo.staged(f"build/{variant}/metadata.json")
+        if staged is None:
+            raise InvalidMetadata(f"{where} is missing", hint=_VERSION_HINT)
         try:
-            data = json.loads((variant / "metadata.json").read_text("utf-8"))
-        except FileNotFoundError:
-            raise InvalidMetadata(f"{where} is missing", hint=_VERSION_HINT) from None
+            data = json.loads(staged.read_text("utf-8"))
         except (OSError, ValueError) as exc:
             raise InvalidMetadata(
                 f"{where} is not readable JSON: {exc}", hint=_VERSION_HINT
@@ -81,47 +106,29 @@ def _version(repo_dir: Path, repo_id: str) -> int:
         version = data.get("version") if isinstance(data, dict) else None
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise InvalidMetadata(f'{where} has no integer "version"', hint=_VERSION_HINT)
-        versions[variant.name] = version
+        versions[variant] = version
     if not versions:
-        raise InvalidMetadata(f"{repo_id}: build/ has no variant folders", hint=_VERSION_HINT)
+        raise InvalidMetadata(f"{repo.repo_id}: build/ has no variant folders", hint=_VERSION_HINT)
     if len(set(versions.values())) > 1:
         found = ", ".join(f"{name}={v}" for name, v in versions.items())
         raise InvalidMetadata(
-            f"{repo_id}: variants disagree on version ({found})", hint=_VERSION_HINT
+            f"{repo.repo_id}: variants disagree on version ({found})", hint=_VERSION_HINT
         )
     return next(iter(versions.values()))
 
 
-def _files(repo_dir: Path) -> list[tuple[str, str, Path]]:
-    """(repo path, git mode, file) for every file to commit, sorted; symlinks are followed."""
-    files = []
-    seen: set[str] = set()
-    for dirpath, dirnames, filenames in os.walk(repo_dir, followlinks=True):
-        real = os.path.realpath(dirpath)
-        if real in seen:  # a symlink loop
-            dirnames.clear()
-            continue
-        seen.add(real)
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in sorted(filenames):
-            full = Path(dirpath) / name
-            if name == ".git" or name.endswith(".pyc") or not full.is_file():
-                continue
-            mode = "100755" if full.stat().st_mode & 0o111 else "100644"
-            files.append((full.relative_to(repo_dir).as_posix(), mode, full))
-    return sorted(files)
-
-
-def _build_repo(repo_id: str, repo_dir: Path, version: int, dest: Path) -> BuiltRepo:
-    writer = GitRepoWriter(dest / repo_id)
+def _build_repo(repo: SourceRepo, version: int, dest: Path) -> BuiltRepo:
+    writer = GitRepoWriter(dest / repo.repo_id)
     gitdir = writer.gitdir
-    tree = write_tree(gitdir, _files(repo_dir))
+    tree = write_tree(gitdir, repo.files)
     current = rev(gitdir, "refs/heads/main")
     changed = current is None or tree_of(gitdir, current) != tree
     if changed:
-        commit = commit_tree(gitdir, tree, [], f"{repo_id} v{version}\n")
+        commit = commit_tree(gitdir, tree, [], f"{repo.repo_id} v{version}\n")
         set_ref(gitdir, "refs/heads/main", commit)
     else:
         commit = current
     set_ref(gitdir, f"refs/heads/v{version}", commit)
-    return BuiltRepo(repo_id=repo_id, path=gitdir, commit=commit, version=version, changed=changed)
+    return BuiltRepo(
+        repo_id=repo.repo_id, path=gitdir, commit=commit, version=version, changed=changed
+    )

@@ -51,8 +51,8 @@ def resolve(
         if _etag_matches(req.headers.get("if-none-match"), {entry.oid, pointer.oid}):
             return Response(304, headers)
         query = f"commit={sha}&path={quote(path, safe='')}"
-        cdn = _cdn_host(req.host, server.host)
-        headers["Location"] = f"http://{cdn}/_lfs/{org}/{name}/{pointer.oid}?{query}"
+        origin = _lfs_origin(req.host, server)
+        headers["Location"] = f"{origin}/_lfs/{org}/{name}/{pointer.oid}?{query}"
         return Response(302, headers)
     return _lfs_content(server, req, repo, f"{org}/{name}", sha, path, pointer, headers)
 
@@ -211,16 +211,15 @@ def _content_type(path: str) -> str:
     return kind or "application/octet-stream"
 
 
-def _cdn_host(host: str, bound: str) -> str:
-    """Another name for this server, so that an LFS redirect crosses origins as the Hub's CDN does.
-
-    127.0.0.1 <-> localhost; any other name stays (a same-origin redirect, which clients follow;
-    the object route repeats the metadata headers for that case).
-    """
-    name, sep, port = host.rpartition(":")
-    if not sep or name == "" or "]" in port:
-        name, port = host, ""
-    swap = {"127.0.0.1": "localhost", "[::1]": "localhost"}
-    swap["localhost"] = "[::1]" if ":" in bound else "127.0.0.1"
-    name = swap.get(name.lower(), name)
-    return f"{name}:{port}" if port else name
+def _lfs_origin(client_host: str, server: ServerContext) -> str:
+    """Where an LFS redirect points: "http://localhost:PORT" for a client that used 127.0.0.1
+    (and the other way round, likewise for ::1), another origin as the Hub's CDN is; otherwise
+    "", a relative Location the client resolves against the URL it used (a tunnel, a proxy, a
+    server bound to 0.0.0.0). The Host header only picks between the two: no byte of it is
+    copied into the answer, so a forged Host cannot send clients (or a cache) elsewhere."""
+    if server.host not in ("127.0.0.1", "::1"):
+        return ""
+    bound = server.netloc
+    local = f"localhost:{bound.rsplit(':', 1)[1]}"
+    twin = {bound: local, local: bound}.get(client_host.lower())
+    return f"http://{twin}" if twin else ""

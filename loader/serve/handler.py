@@ -13,6 +13,7 @@ import traceback
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs
 
+from .connections import BUSY, IDLE, IDLE_TIMEOUT, READING
 from .faults import reset_connection
 from .protocol import Request, Response, ServerContext, json_response
 from .routes import dispatch
@@ -26,11 +27,26 @@ class MirrorHandler(BaseHTTPRequestHandler):
     server_version = "kernels-serve"
     sys_version = ""
     disable_nagle_algorithm = True
-    timeout = 120  # seconds an idle keep-alive connection is kept open
+    timeout = IDLE_TIMEOUT  # per read or write; the server's reaper bounds whole requests
 
     @property
     def mirror_server(self) -> ServerContext:
         return self.server.mirror_server  # type: ignore[attr-defined]
+
+    def handle_one_request(self) -> None:
+        """Wait for a request's first byte (IDLE), then read it (READING: the server closes the
+        connection if the headers are not all in by the deadline), then answer it (BUSY)."""
+        connections = self.server.connections  # type: ignore[attr-defined]
+        connections.set(self.connection, IDLE)
+        try:
+            started = self.rfile.peek(1)  # type: ignore[attr-defined]
+        except OSError:  # timed out, reset, or cut by the server
+            started = b""
+        if not started:
+            self.close_connection = True
+            return
+        connections.set(self.connection, READING)
+        super().handle_one_request()
 
     def do_GET(self) -> None:
         self._handle()
@@ -44,6 +60,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_POST
 
     def _handle(self) -> None:
+        self.server.connections.set(self.connection, BUSY)  # type: ignore[attr-defined]
         raw_path, _, query = self.path.partition("?")
         control = raw_path.startswith(CONTROL_PREFIX)
         if not control:

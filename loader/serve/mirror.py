@@ -98,14 +98,12 @@ class Mirror:
 
 def read_trusted_publishers(path: Path) -> frozenset[str]:
     """Parse a kernels-mirror.toml; InvalidSpec when it is not TOML or the key has a wrong type."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    from ..toml_text import TomlError, loads
+
     hint = f'fix {path}: it should read like trusted_publishers = ["org", ...]'
     try:
-        data = tomllib.loads(path.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        data = loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, TomlError) as exc:
         raise InvalidSpec(f"cannot read mirror config {path}: {exc}", hint=hint) from None
     names = data.get("trusted_publishers", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import shutil
 import socket
 import sys
 import threading
+import time
 from collections import deque
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from socketserver import TCPServer
 from typing import Any, TextIO
 
+from .connections import Connections, default_limit
 from .faults import FaultPlan
 from .handler import MirrorHandler
 from .mirror import Mirror
@@ -32,11 +35,10 @@ class _HTTPServer(ThreadingHTTPServer):
     block_on_close = False
     request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, address: tuple[str, int], mirror_server: MirrorServer):
+    def __init__(self, address: tuple[str, int], mirror_server: MirrorServer, max_connections: int):
         self.mirror_server = mirror_server
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self._open: set[socket.socket] = set()
-        self._open_lock = threading.Lock()
+        self.connections = Connections(max_connections)
         super().__init__(address, MirrorHandler)
 
     def server_bind(self) -> None:
@@ -44,21 +46,34 @@ class _HTTPServer(ThreadingHTTPServer):
         TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                # Out of descriptors despite the bound (files, pipes): make room, and give the
+                # closed connection's thread a moment before the loop tries again.
+                self.connections.evict_one()
+                time.sleep(0.01)
+            raise
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        with self._open_lock:
-            self._open.add(request)
+        if not self.connections.add(request):
+            self.shutdown_request(request)  # every open connection is being answered
+            return
         super().process_request(request, client_address)
 
     def shutdown_request(self, request: Any) -> None:
-        with self._open_lock:
-            self._open.discard(request)
+        self.connections.remove(request)
         super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        super().service_actions()
+        self.connections.reap()
 
     def close_connections(self) -> None:
         """Cut every open keep-alive connection, so handler threads end with the server."""
-        with self._open_lock:
-            open_now = list(self._open)
-        for sock in open_now:
+        for sock in self.connections.all():
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -81,6 +96,10 @@ class MirrorServer:
     `root` re-points the server at another folder (with fresh caches); `faults` (a FaultPlan, see
     kernels.serve.faults) makes the server misbehave on purpose.
 
+    At most `max_connections` connections are open at once (default: half the descriptor limit,
+    up to 1024); at the bound a new one closes the connection that has waited longest for a
+    request, and a started request must be complete within a deadline (kernels.serve.connections).
+
     The request log (`requests`, `reset_requests()`, bounded: LOG_CAPACITY entries) is for the
     process that owns the server. Over HTTP it exists only when `control_token` is set: then
     `GET /_mirror/requests` and `POST /_mirror/requests/reset` answer requests that carry the
@@ -95,6 +114,7 @@ class MirrorServer:
         lfs_redirect: bool = True,
         access_log: TextIO | None = None,
         control_token: str | None = None,
+        max_connections: int | None = None,
     ):
         if shutil.which("git") is None:
             raise FileNotFoundError("kernels serve needs the `git` executable on PATH")
@@ -109,7 +129,8 @@ class MirrorServer:
         self._log_total = 0
         self._log_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._httpd = _HTTPServer((host.strip("[]"), port), self)
+        limit = max_connections or default_limit()
+        self._httpd = _HTTPServer((host.strip("[]"), port), self, limit)
 
     @property
     def root(self) -> Path:
@@ -136,6 +157,11 @@ class MirrorServer:
     def url(self) -> str:
         """The endpoint to give huggingface_hub (HF_ENDPOINT), e.g. http://127.0.0.1:41234."""
         return f"http://{self.netloc}"
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now (at most `max_connections`)."""
+        return len(self._httpd.connections)
 
     @property
     def is_loopback(self) -> bool:

@@ -56,7 +56,7 @@ def main() -> int:
     sys.path.insert(0, str(shims["HEAD"]))
     from kernels.serve import MirrorServer, build_mirror
 
-    build_mirror(ROOT / "hub_kernels", work / "mirror")
+    build_mirror(ROOT / "hub_kernels", work / "mirror", trusted_publishers=["kernels-lab"])
     server = MirrorServer(work / "mirror").start()
     envs = {}
     for name, shim in shims.items():

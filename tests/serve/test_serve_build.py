@@ -42,7 +42,7 @@ def test_build_mirror_makes_main_and_version_branch(tmp_path):
     write_kernel(src, "org-b/gelu", {"torch-universal": 1})
     (src / "org-b" / "not-a-kernel").mkdir()  # no build/: skipped
     (src / "kernels-mirror.toml").write_text('trusted_publishers = ["org-a"]\n')
-    built = build_mirror(src, dest)
+    built = build_mirror(src, dest, trusted_publishers=["org-b"])
     assert [(b.repo_id, b.version, b.changed) for b in built] == [
         ("org-a/relu", 2, True),
         ("org-b/gelu", 1, True),
@@ -58,7 +58,9 @@ def test_build_mirror_makes_main_and_version_branch(tmp_path):
         "build/torch-universal/__init__.py",
         "build/torch-universal/metadata.json",
     ]
-    assert (dest / "kernels-mirror.toml").read_text() == 'trusted_publishers = ["org-a"]\n'
+    # The builder's list, not SRC's (tests/security/test_hostile_mirror_build.py has the attack).
+    config = (dest / "kernels-mirror.toml").read_text()
+    assert 'trusted_publishers = ["org-b"]' in config and "org-a" not in config
     assert not (dest / "org-b" / "not-a-kernel").exists()
 
 
@@ -119,19 +121,20 @@ def test_missing_or_broken_metadata(tmp_path):
         build_mirror(src, tmp_path / "dest")
 
 
-def test_bad_config_is_refused(tmp_path):
+def test_src_config_is_never_read(tmp_path):
     src = tmp_path / "src"
     write_kernel(src, "org/relu", {"torch-universal": 1})
-    (src / "kernels-mirror.toml").write_text("trusted_publishers = 'org'\n")
-    with pytest.raises(InvalidSpec, match="list of org names"):
-        build_mirror(src, tmp_path / "dest")
+    (src / "kernels-mirror.toml").write_text("trusted_publishers = 'org'\n")  # broken, and SRC's
+    assert build_mirror(src, tmp_path / "dest")[0].repo_id == "org/relu"
+    assert not (tmp_path / "dest" / "kernels-mirror.toml").exists()
+    with pytest.raises(InvalidSpec, match="not an org name"):
+        build_mirror(src, tmp_path / "dest", trusted_publishers=["org", "a b"])
 
 
 def test_built_mirror_is_served(hub, tmp_path):
     src = tmp_path / "src"
     write_kernel(src, "org/relu", {"torch-universal": 3})
-    (src / "kernels-mirror.toml").write_text('trusted_publishers = ["org"]\n')
-    built = hub.build(src)
+    built = hub.build(src, trust=["org"])
     api = HfApi()
     branches = {
         b.name: b.target_commit for b in api.list_repo_refs("org/relu", repo_type="kernel").branches
