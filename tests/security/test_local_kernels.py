@@ -77,9 +77,7 @@ def test_a_link_in_the_variant_is_judged_by_where_it_leads(tmp_path, monkeypatch
     assert kernels.get_local_kernel(kernel).VALUE == 5
 
 
-def test_a_relative_entry_needs_a_working_directory_only_the_user_can_write(
-    tmp_path, monkeypatch
-):
+def test_a_relative_entry_needs_a_working_directory_only_the_user_can_write(tmp_path, monkeypatch):
     """`lab-org/k=../kernel`: the folder itself is the user's, but which folder the entry names
     depends on the working directory, here one that others can write: refused, then loaded
     once the working directory is the user's alone."""
