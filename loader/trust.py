@@ -97,8 +97,8 @@ def ensure_trusted(
         pass
     if not trusted:
         raise UntrustedPublisher(
-            f"{_not_trusted(repo_id)}: {settings.endpoint()} does not flag {publisher!r} as a "
-            "trusted kernel publisher"
+            f"{_not_trusted(repo_id)}: {publisher!r} is not a trusted kernel publisher at "
+            f"{settings.endpoint()}"
         )
     return "hub"
 
