@@ -67,6 +67,12 @@ def _write_scoped(path: Path, endpoint: str | None, record: dict) -> None:
     atomic_write_json(path, {"endpoints": entries})
 
 
+def _endpoints_of(path: Path) -> list[str]:
+    data = read_json(path)
+    entries = data.get("endpoints") if isinstance(data, dict) else None
+    return sorted(e for e in entries if e) if isinstance(entries, dict) else []
+
+
 def endpoint_key(endpoint: str) -> str:
     """A short file-name-safe key for an endpoint string."""
     return hashlib.sha256(endpoint.encode("utf-8")).hexdigest()[:16]
@@ -108,6 +114,19 @@ class RecordStore:
                 if record:
                     out.append(record)
         return out
+
+    def endpoints(self, repo: str, revision: str) -> list[str]:
+        """Every endpoint with a resolution record of (repo, revision), whatever this store's
+        endpoint: for messages that say where something was cached, never for a decision."""
+        return _endpoints_of(self._ref_path(repo, revision))
+
+    def trusted_at(self, publisher: str) -> list[str]:
+        """Every endpoint whose recorded answer trusts `publisher` (messages only, as above)."""
+        data = read_json(self.trust_dir / f"{safe_key(publisher)}.json")
+        entries = data.get("endpoints") if isinstance(data, dict) else None
+        if not isinstance(entries, dict):
+            return []
+        return sorted(e for e, r in entries.items() if isinstance(r, dict) and r.get("trusted"))
 
     def repos(self) -> list[str]:
         if not self.refs.is_dir():
@@ -199,6 +218,20 @@ class RepoIndex:
             for p in folder.glob("*.json")
             if self._usable(read_json(p))
         )
+
+    def variant_endpoints(self, repo: str, commit: str) -> list[str]:
+        """The endpoints whose listing gave an installed variant of (repo, commit), whatever
+        this store's endpoint: for messages that say where a kernel was cached from."""
+        folder = self._commit_dir(repo, commit) / "variants"
+        found: set[str] = set()
+        if folder.is_dir():
+            for item in folder.glob("*.json"):
+                data = read_json(item)
+                if isinstance(data, dict) and "tree" in data:
+                    endpoints = data.get("endpoints")
+                    if isinstance(endpoints, list):
+                        found.update(e for e in endpoints if isinstance(e, str) and e)
+        return sorted(found)
 
     def get_manifest(self, digest: str) -> Manifest | None:
         data = read_json(self.manifests / f"{digest}.json")

@@ -306,10 +306,12 @@ def run_env(args: argparse.Namespace) -> int:
         "config": str(settings.config_path()),
         "trusted_publishers": sorted(settings.trusted_publishers()),
         "cached_kernels": selections,
+        "cached_other_endpoints": _cached_elsewhere(cache),
     }
     if args.json:
         print(json.dumps(env, sort_keys=True))
         return 0
+    elsewhere = env.pop("cached_other_endpoints")
     for key, value in env.items():
         if key == "cached_kernels":
             print("cached kernels (variant this machine would select):")
@@ -318,7 +320,35 @@ def run_env(args: argparse.Namespace) -> int:
                     f"  {s['repo_id']}@{s['ref']} ({s['commit'][:12]}) -> {s['variant'] or 'none compatible'}"
                 )
             if not value:
-                print("  none")
+                print("  none at this endpoint" if elsewhere else "  none")
         else:
             print(f"{key}: {value}")
+    if elsewhere:
+        # `kernels ls` lists these too: say why a load at this endpoint does not use them.
+        print(
+            "cached from other endpoints (used here by a kernels.lock with digests, "
+            "or with HF_ENDPOINT set to theirs):"
+        )
+        for row in elsewhere:
+            print(
+                f"  {row['repo_id']}@{row['commit'][:12]} ({', '.join(row['variants'])}) "
+                f"from {', '.join(row['endpoints'])}"
+            )
     return 0
+
+
+def _cached_elsewhere(cache) -> list[dict]:
+    """Commits installed in this cache only from endpoints other than the current one."""
+    from ..fetch import valid_install_key
+
+    variants: dict[tuple[str, str], list[str]] = {}
+    for repo, commit, variant, _tree in cache.all_index.entries():
+        if valid_install_key(repo, commit, variant):  # never echo a malformed entry
+            variants.setdefault((repo, commit), []).append(variant)
+    rows = []
+    for (repo, commit), names in sorted(variants.items()):
+        if cache.index.installed_variants(repo, commit):
+            continue  # usable at this endpoint: listed above when a revision names it
+        endpoints = cache.all_index.variant_endpoints(repo, commit)
+        rows.append({"repo_id": repo, "commit": commit, "variants": names, "endpoints": endpoints})
+    return rows
