@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..safe_text import safe_text
+
 
 def add_mirror_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["build"], help="build: create or update DEST from SRC")
@@ -51,6 +53,7 @@ def run_mirror(args: argparse.Namespace) -> int:
         return 0
     for b in built:
         state = "updated" if b.changed else "unchanged"
-        print(f"{b.repo_id}  v{b.version}  {b.commit[:12]}  {state}")
+        # Folder names come from SRC, which someone else may have written: escaped.
+        print(safe_text(f"{b.repo_id}  v{b.version}  {b.commit[:12]}  {state}"))
     print(f"built {len(built)} repos in {dest}; serve them with `kernels serve {dest}`")
     return 0
