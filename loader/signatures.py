@@ -30,6 +30,12 @@ SIGNED = "signed"
 _WORKFLOW = re.compile(r"^https://github\.com/([^/]+/[^/]+)/\.github/workflows/[^@\s]+@\S+\Z")
 
 
+def signer_policies(publisher: str) -> list:
+    """Who may sign `publisher`'s kernels: the config's `[signatures.signers]` entry for it,
+    else the reference's default signers (kernels-community's CI)."""
+    return _policies(publisher)[0]
+
+
 def _policies(publisher: str) -> tuple[list, list[str]]:
     """The sigstore policies for `publisher`'s kernels and what they accept (for the key)."""
     from .verify import DEFAULT_POLICIES, GitHubWorkflowPolicy

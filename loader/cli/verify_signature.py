@@ -3,8 +3,9 @@
 
 It installs version VERSION (the branch v<N>) of the kernel, the variant for this machine or
 every variant, and checks each with kernels.verify.verify_variant: the Sigstore bundle over
-metadata.json (offline, against KERNELS_SIGSTORE_TRUSTED_ROOT or the public-good root), then
-every file against the digest in those bytes. Exit 0 when every variant checked is correctly
+metadata.json (offline, against KERNELS_SIGSTORE_TRUSTED_ROOT or the public-good root; signed by the
+reference's signers, or by those the config names for the publisher), then every file against
+the digest in those bytes. Exit 0 when every variant checked is correctly
 signed, 1 otherwise; unsigned variants (--filter-unsigned) and variants without a digest
 (--filter-no-digest) can be skipped rather than failed. Downloading needs no trust decision here:
 nothing is imported, and no trust is recorded.
@@ -82,11 +83,14 @@ def run_verify_signature(args: argparse.Namespace) -> int:
         raise InvalidSpec(
             exc.message, hint="give the repo and the version number, e.g. `org/repo 1`"
         ) from None
+    from ..signatures import signer_policies
+
+    policies = signer_policies(spec.repo_id.split("/", 1)[0])
     rows = []
     commit = None
     for found in _installed(spec, args):
         commit = found.resolution.commit
-        result = verify_variant(found.tree)
+        result = verify_variant(found.tree, policies)
         rows.append(
             {
                 "variant": found.variant,

@@ -205,3 +205,24 @@ def test_locked_loads_are_checked_too(hub, tmp_path, monkeypatch):
     with pytest.raises(SignatureError):
         get_locked_kernel(REPO, lockfile=project / "kernels.lock")
     assert not marker.exists()
+
+
+def test_a_publisher_can_name_its_own_signers(hub, tmp_path, monkeypatch, sigstore):
+    """`[signatures.signers]` accepts a publisher's own CI; the default signers do not.
+    Break: signer_policies ignoring the config (the kernel is refused)."""
+    marker = tmp_path / "ran"
+    own = "lab-org/kernels"
+    _serve(hub, _signed(sigstore, marker, repo=own))
+    monkeypatch.setenv("KERNELS_SIGNATURE_POLICY", "require")
+    with pytest.raises(SignatureError, match="signature verification failed"):
+        get_kernel(REPO, version=1)
+    config = Path(os.environ["KERNELS_CONFIG"])
+    uri = f"https://github.com/{own}/.github/workflows/build.yaml@refs/heads/main"
+    config.write_text(f'[signatures.signers]\n"lab-org" = ["{uri}"]\n')
+    assert get_kernel(REPO, version=1).VALUE == 1  # a new key: checked again, and signed
+    assert marker.exists()
+    config.write_text('[signatures.signers]\n"lab-org" = ["https://example.com/ci"]\n')
+    from kernels.signatures import signer_policies
+
+    with pytest.raises(InvalidSpec, match="not a GitHub workflow URI"):
+        signer_policies("lab-org")
