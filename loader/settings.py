@@ -7,6 +7,7 @@ same meaning huggingface_hub gives them, so the loader can decide "offline" with
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import stat
@@ -79,10 +80,15 @@ def allow_pr_revisions() -> bool:
 
 def config_path() -> Path:
     """The user config file: KERNELS_CONFIG, else ~/.config/kernels/config.toml."""
-    explicit = os.environ.get("KERNELS_CONFIG")
+    get = os.environ.get
+    return _config_path(get("KERNELS_CONFIG"), get("XDG_CONFIG_HOME"), get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _config_path(explicit: str | None, xdg: str | None, home: str | None) -> Path:
+    # Keyed by the variables it reads: a warm load asks twice (trust, signature policy).
     if explicit:
         return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CONFIG_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".config"
     return base / "kernels" / "config.toml"
 
