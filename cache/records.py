@@ -4,6 +4,7 @@
 - `RepoIndex`: per (repo, commit): the remote file listing (immutable, so cached forever) and,
   per installed variant, the manifest digest of its tree.
 - `TrustRecord`: a publisher trust decision and where it came from.
+- `VerdictRecord`: what a signature check of a tree found (the loader's signature policy).
 
 Keys are opaque strings to this module; it knows nothing of what a repo or a revision means.
 
@@ -41,6 +42,18 @@ class TrustRecord:
     publisher: str
     trusted: bool
     source: str  # "hub", "user", "trust_remote_code"
+    checked_at: float
+
+
+@dataclass(frozen=True)
+class VerdictRecord:
+    """What a verification of the tree `tree` under the policy `key` found (`verdict`, with
+    a one-line `detail`), and when."""
+
+    tree: str
+    key: str
+    verdict: str
+    detail: str
     checked_at: float
 
 
@@ -266,3 +279,31 @@ class RepoIndex:
                             unsafe_key(item.name[: -len(".json")]),
                             str(data["tree"]),
                         )
+
+
+class VerdictStore:
+    """signatures/<tree digest>-<key>.json: verdicts of the loader's signature checks, kept per
+    endpoint like every record. `key` is opaque here (the loader's name for what was checked
+    against: signers and trust root)."""
+
+    def __init__(self, root: Path, endpoint: str | None = None):
+        self.root = root
+        self.endpoint = endpoint
+
+    def _path(self, tree: str, key: str) -> Path:
+        return self.root / f"{safe_key(tree)}-{safe_key(key)}.json"
+
+    def get(self, tree: str, key: str) -> VerdictRecord | None:
+        data = _read_scoped(self._path(tree, key), self.endpoint)
+        if data is None:
+            return None
+        try:
+            return VerdictRecord(
+                tree, key, str(data["verdict"]), str(data["detail"]), float(data["checked_at"])
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, record: VerdictRecord) -> None:
+        data = {"verdict": record.verdict, "detail": record.detail, "checked_at": record.checked_at}
+        _write_scoped(self._path(record.tree, record.key), self.endpoint, data)

@@ -514,10 +514,19 @@ def test_verify_digest(tmp_path):
     from kernels.verify import VerificationResult, verify_digest, verify_variant
 
     folder = _digest_variant(tmp_path, {"_extension.so": HELLO_SHA256})
-    (folder / "__pycache__").mkdir()
-    (folder / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"ignored")
-    (folder / "stray.pyc").write_bytes(b"ignored too")
     assert verify_digest(folder) == VerificationResult.Success()
+    # Bytecode is importable and no digest covers it: here a violation (the reference skips it;
+    # docs/compatibility.md). An empty __pycache__ is nothing.
+    (folder / "__pycache__").mkdir()
+    assert verify_digest(folder) == VerificationResult.Success()
+    (folder / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"unverified")
+    (folder / "stray.pyc").write_bytes(b"unverified too")
+    assert [(v.kind, v.path) for v in verify_digest(folder).violations] == [
+        ("bytecode", "__pycache__/x.cpython-311.pyc"),
+        ("bytecode", "stray.pyc"),
+    ]
+    (folder / "__pycache__" / "x.cpython-311.pyc").unlink()
+    (folder / "stray.pyc").unlink()
 
     (folder / "_extension.so").write_bytes(b"hello world!")
     (folder / "extra.py").write_text("x = 1\n")
