@@ -750,7 +750,7 @@ def fused_linear_logprob(
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"hidden must be fp32, bf16 or fp16, got {hidden.dtype}")
     rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    flat_labels = labels.reshape(-1).to(torch.int64).contiguous()
+    flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64).contiguous()
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     tr, tc = tile if tile is not None else (0, 0)
