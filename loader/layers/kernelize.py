@@ -267,6 +267,10 @@ def run_kernelize(
             change()
     entries = tuple(entry for entry, _ in decisions)
     entries += tuple(_unserved_entries(model, {e.path for e in entries}))
+    if not dry_run:
+        from ..training.trl_head import sync  # which fused path serves TRL's fused_lm_head
+
+        entries += tuple(sync(model))
     report = BindReport(type(model).__name__, mode, target.type, entries, dry_run)
     if not dry_run:
         record(model, report)
