@@ -82,9 +82,14 @@ def plan_training_kernels(
 ) -> Plan:
     """Classify ``source`` (model, config, path or repo id) against the kernel repo's layers
     and mark its classes; the plan lists what is served and what is not (with the reason)."""
+    import torch
+
     model = _model_from(source)
     available, experts_check = repo_checks(_load_repo(repo, version, revision))
-    plan = classify(model, available, experts_check)
+    # the probes build small modules (nn.Linear draws its init from the global generator):
+    # the caller's random stream (set_seed before the trainer samples) stays as it was
+    with torch.random.fork_rng(devices=[]):
+        plan = classify(model, available, experts_check)
     plan.mark(model if source is model else None)
     return plan
 

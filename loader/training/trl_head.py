@@ -267,7 +267,12 @@ def _unregister(model: nn.Module) -> None:
             _uninstall()
 
 
-def _entry(path: str, model: nn.Module, layer: type) -> BindEntry:
+def choice() -> str:
+    """Which kernel serves TRL's fused-head calls on models bound now (KERNELS_TRL_HEAD)."""
+    return settings.trl_head()
+
+
+def _entry(path: str, model: nn.Module, layer: type, head_choice: str) -> BindEntry:
     """Register (or not) ``model``'s TRL calls for our kernels; the report entry saying which
     fused path serves its ``fused_lm_head`` calls."""
     logprob = _kernel_function(layer, LOGPROB)
@@ -280,7 +285,7 @@ def _entry(path: str, model: nn.Module, layer: type) -> BindEntry:
             reason="this build of the training kernels has no log-prob head: TRL's own "
             "ChunkedLogProbFunction serves TRL's fused_lm_head calls",
         )
-    if settings.trl_head() == "trl":
+    if head_choice == "trl":
         _unregister(model)
         return BindEntry(
             path,
@@ -320,14 +325,22 @@ def _installed_problem(target: _Target) -> str:
     return "" if isinstance(current, StandIn) else signature_problem(current, target)
 
 
-def sync(root: nn.Module) -> list[BindEntry]:
+def sync(root: nn.Module, head_choice: str) -> list[BindEntry]:
     """After kernelize changed ``root``: register each module running one of our fused heads
     (and unregister the others); one ``fused_lm_head`` report entry per head."""
     entries = []
     for path, module in root.named_modules():
         layer = bound_layer(module)
         if layer is not None and layer.__name__ in HEAD_LAYERS:
-            entries.append(_entry(path, module, layer))
+            entries.append(_entry(path, module, layer, head_choice))
         else:
             _unregister(module)
     return entries
+
+
+def release_all() -> None:
+    """Forget every registered model and put TRL's own functions back (the bound heads stay
+    bound; their TRL calls run TRL's kernels until kernelize runs on them again)."""
+    with _lock:
+        _routes.clear()
+        _uninstall()
