@@ -19,7 +19,6 @@ and eos (vocabulary 256, the tiny models' size).
 
 from __future__ import annotations
 
-import copy
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +68,19 @@ def save_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(tiny_config(family)).float().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def reward_checkpoint(ckpt: Path) -> Path:
+    """The reward model of `ckpt` (a sequence classifier with one label), saved with its score
+    head so that every run loads the same weights, however the trainer builds it."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = ckpt.with_name(ckpt.name + "-reward")
+    if not path.exists():
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_pretrained(ckpt, num_labels=1).save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
     return path
 
 
@@ -187,6 +199,8 @@ def run(trainer: str, family: str, switch: str, ckpt: Path, out: Path, teacher_c
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     result = Run()
+    if trainer == "reward":
+        ckpt = reward_checkpoint(ckpt)
     with ExitStack() as stack:
         mik = None
         if switch == "use_kernels":
@@ -197,7 +211,7 @@ def run(trainer: str, family: str, switch: str, ckpt: Path, out: Path, teacher_c
         if switch == "use_kernels":
             model: Any = str(ckpt)
         elif trainer == "reward":
-            model = AutoModelForSequenceClassification.from_pretrained(ckpt, num_labels=1)
+            model = AutoModelForSequenceClassification.from_pretrained(ckpt)
         else:
             model = AutoModelForCausalLM.from_pretrained(ckpt)
         if switch == "apply":
@@ -252,7 +266,3 @@ def compare(ours: Run, plain: Run, rtol: float = 1e-4) -> None:
 def report_entries(model, layer_name: str) -> list:
     report = kernels.last_report(model)
     return [] if report is None else [e for e in report if e.layer_name == layer_name]
-
-
-def clone_run(run_: Run) -> Run:
-    return copy.copy(run_)
