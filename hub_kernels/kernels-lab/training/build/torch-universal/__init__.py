@@ -31,3 +31,8 @@ from .fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from .loss_layers import ForCausalLMLoss  # noqa: E402
 
 __all__ += ["cross_entropy", "fused_linear_cross_entropy", "ForCausalLMLoss"]
+
+# Post-training: the fused linear log-prob head (TRL's ChunkedLogProbFunction drop-in).
+from .logprob import fused_linear_logprob, trl_chunked_logprob  # noqa: E402
+
+__all__ += ["fused_linear_logprob", "trl_chunked_logprob"]
