@@ -31,6 +31,7 @@ from torch import nn
 from ._common import has_hooks
 from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
+from .logprob import fused_linear_logprob
 
 
 class ForCausalLM(nn.Module):
@@ -721,8 +722,6 @@ def fused_lm_head_output(
     left (or the caller's ``shift_labels`` as they are), only the positions whose label is not
     -100 projected, every field zero elsewhere; loss = -sum(log_probs) / (kept count or
     ``num_items_in_batch``), plus ``router_aux_loss_coef * aux``."""
-    from .logprob import fused_linear_logprob
-
     shift_labels = options["shift_labels"]
     if shift_labels is not None:
         targets = shift_labels
