@@ -139,8 +139,8 @@ def _words(gen, n: int, vocab: int) -> str:
 # -- the child: one workload, one setup -------------------------------------------------------
 
 
-def _model_kwargs(setup: str, path: Path, device: str) -> dict:
-    kwargs = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
+def _model_kwargs(setup: str, path: Path, device: str, dtype: str = "bfloat16") -> dict:
+    kwargs = {"dtype": dtype, "attn_implementation": "sdpa"}
     if setup.startswith("ours"):
         import kernels
 
@@ -162,7 +162,13 @@ def _model_kwargs(setup: str, path: Path, device: str) -> dict:
     return kwargs
 
 
+def _dtype(args) -> str:
+    return getattr(args, "dtype", "bfloat16")
+
+
 def build_trainer(workload: str, setup: str, paths: dict, shape: Shape, args):
+    """The TRL trainer of `workload` as `setup` builds it (the models loaded from `paths` by
+    TRL itself, with the setup's model_init_kwargs); `args` gives device, work dir, dtype."""
     import trl
     from datasets import Dataset
 
@@ -170,12 +176,13 @@ def build_trainer(workload: str, setup: str, paths: dict, shape: Shape, args):
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(student)
     common = dict(
         output_dir=str(Path(args.work) / f"out-{workload}-{setup}"), report_to=[],
-        save_strategy="no", logging_steps=10**9, bf16=True, use_cpu=args.device == "cpu",
+        save_strategy="no", logging_steps=10**9, bf16=_dtype(args) == "bfloat16",
+        use_cpu=args.device == "cpu",
         per_device_train_batch_size=shape.rows, learning_rate=1e-6, seed=0,
         optim="adamw_torch_fused" if args.device == "cuda" else "adamw_torch",
         gradient_checkpointing=not args.no_gradient_checkpointing,
         use_liger_kernel=setup == "trl-liger",
-        model_init_kwargs=_model_kwargs(setup, student, args.device),
+        model_init_kwargs=_model_kwargs(setup, student, args.device, _dtype(args)),
     )  # fmt: skip
     import torch
 
@@ -204,7 +211,7 @@ def build_trainer(workload: str, setup: str, paths: dict, shape: Shape, args):
         )  # fmt: skip
     config = trl.DistillationConfig(
         **common, max_completion_length=shape.completion,
-        teacher_model_init_kwargs=_model_kwargs(setup, teacher, args.device),
+        teacher_model_init_kwargs=_model_kwargs(setup, teacher, args.device, _dtype(args)),
     )  # fmt: skip
     return trl.DistillationTrainer(
         str(student), teacher_model=str(teacher), args=config, train_dataset=prompts,
