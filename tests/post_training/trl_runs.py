@@ -193,8 +193,18 @@ def _teacher_or_ref(trainer_obj) -> dict[str, Any]:
     return found
 
 
-def run(trainer: str, family: str, switch: str, ckpt: Path, out: Path, teacher_ckpt=None) -> Run:
-    """3 steps of `trainer` on the checkpoint; see the module docstring for `switch`."""
+def run(
+    trainer: str,
+    family: str,
+    switch: str,
+    ckpt: Path,
+    out: Path,
+    teacher_ckpt=None,
+    peft: bool = False,
+) -> Run:
+    """3 steps of `trainer` on the checkpoint; see the module docstring for `switch`. With
+    `peft`, the trainer wraps the policy with a LoRA adapter on every Linear (TRL then takes the
+    reference log-probs with the adapter switched off)."""
     import trl
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -219,6 +229,12 @@ def run(trainer: str, family: str, switch: str, ckpt: Path, out: Path, teacher_c
         kwargs: dict[str, Any] = dict(
             model=model, args=args, train_dataset=dataset(trainer), processing_class=tokenizer
         )
+        if peft:
+            from peft import LoraConfig
+
+            kwargs["peft_config"] = LoraConfig(
+                r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False
+            )
         if trainer in ("grpo", "rloo"):
             kwargs["reward_funcs"] = reward
         if trainer == "distillation":
