@@ -232,7 +232,8 @@ def test_ignored_rows_and_bad_labels(lpm):
     keep = ~ignored
     keep[5] = keep[6] = False
     assert torch.isfinite(out.log_probs[keep]).all()
-    (out.log_probs[keep].sum() + out.entropy.sum()).backward()
+    # Every row gets an upstream gradient (nan_to_num passes none to the NaN rows).
+    (out.log_probs.nan_to_num().sum() + out.entropy.sum()).backward()
     assert torch.all(hl.grad[ignored] == 0)
     assert torch.isfinite(hl.grad).all() and torch.isfinite(wl.grad).all()
     # A custom ignore_index
@@ -427,9 +428,15 @@ def test_no_tokens(lpm, monkeypatch, path):
     _path(monkeypatch, path)
     h, w, b, _ = make(bias=True)
     hl, wl, bl = leaves(h[:0], w, b)
-    out = lpm.fused_linear_logprob(hl, wl, torch.zeros(0, dtype=torch.long), bl,
-                                   outputs=lpm.OUTPUTS)  # fmt: skip
-    assert all(o.shape == (0,) for o in out)
-    (out.log_probs.sum() + out.entropy.sum()).backward()
+    # Uninitialised memory reads as NaN, so a gradient left unwritten shows.
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = lpm.fused_linear_logprob(hl, wl, torch.zeros(0, dtype=torch.long), bl,
+                                       outputs=lpm.OUTPUTS)  # fmt: skip
+        assert all(o.shape == (0,) for o in out)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+    finally:
+        torch.use_deterministic_algorithms(was)
     assert hl.grad.shape == (0, H)
     assert torch.all(wl.grad == 0) and torch.all(bl.grad == 0)

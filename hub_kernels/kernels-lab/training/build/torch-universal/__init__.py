@@ -32,7 +32,14 @@ from .loss_layers import ForCausalLMLoss  # noqa: E402
 
 __all__ += ["cross_entropy", "fused_linear_cross_entropy", "ForCausalLMLoss"]
 
-# Post-training: the fused linear log-prob head (TRL's ChunkedLogProbFunction drop-in).
+# Post-training: the fused linear log-prob head and the distillation divergences (drop-ins for
+# TRL's ChunkedLogProbFunction and ChunkedDivergenceFunction).
+from .divergence import fused_linear_divergence, trl_chunked_divergence  # noqa: E402
 from .logprob import fused_linear_logprob, trl_chunked_logprob  # noqa: E402
 
-__all__ += ["fused_linear_logprob", "trl_chunked_logprob"]
+__all__ += [
+    "fused_linear_divergence",
+    "fused_linear_logprob",
+    "trl_chunked_divergence",
+    "trl_chunked_logprob",
+]
