@@ -37,7 +37,7 @@ from torch import nn
 
 from .. import settings
 from ..layers.binding import bound_layer, under_wrapper
-from ..layers.report import BOUND, ORIGINAL, BindEntry, kernel_origin
+from ..layers.report import ORIGINAL, ROUTED, BindEntry, kernel_origin
 from ..notices import notice_once
 
 # The training kernels' fused loss heads (loss_layers.py): they compute from the hidden states.
@@ -311,7 +311,7 @@ def _entry(path: str, model: nn.Module, layer: type, head_choice: str) -> BindEn
     if under_wrapper(model):
         notes.append("bound beneath TRL's fused-head wrapper")
     return BindEntry(
-        path, FUSED_ENTRY, BOUND, kernel_origin(logprob, None), reason="; ".join(notes)
+        path, FUSED_ENTRY, ROUTED, kernel_origin(logprob, None), reason="; ".join(notes)
     )
 
 

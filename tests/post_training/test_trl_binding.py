@@ -95,7 +95,7 @@ def test_kernels_then_trl_one_path_per_call(local_kernels):
     assert trl_fused_head_cell(ours.forward) is not None
     assert bound_layer(ours).__name__ == "ForCausalLM"
     entry = fused_entry(ours)
-    assert entry.status == "bound" and entry.kernel.endswith(":trl_chunked_logprob"), entry
+    assert entry.status == "routed" and entry.kernel.endswith(":trl_chunked_logprob"), entry
     ids, labels = batch()
     assert ours(input_ids=ids, labels=labels).logits is None  # our fused CE, beneath TRL
     assert plain(input_ids=ids, labels=labels).logits is not None
@@ -143,7 +143,7 @@ def test_use_kernels_train_keeps_trl_and_accelerate_wrappers(mirror, tmp_path):
     assert ours.__dict__["forward"] is outer
     assert bound_layer(ours).__name__ == "ForCausalLM"
     assert kernels.last_report(ours).mode & kernels.Mode.TRAINING
-    assert fused_entry(ours).status == "bound"
+    assert fused_entry(ours).status == "routed"
     check_fused_call(ours, plain)
 
 

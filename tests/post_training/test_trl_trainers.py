@@ -82,7 +82,7 @@ def test_trainer_matches_the_plain_trainer(
         assert delta(("_ChunkedLogProbFunction", "trl")) == 0
         for name, model in models.items():
             (entry,) = trl_runs.report_entries(model, "fused_lm_head")
-            assert entry.status == "bound", (name, entry)
+            assert entry.status == "routed", (name, entry)
     if trainer == "distillation":
         assert delta(("ChunkedDivergenceFunction", "kernels")) > 0
         assert delta(("ChunkedDivergenceFunction", "trl")) == 0
