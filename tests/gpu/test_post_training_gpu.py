@@ -13,6 +13,7 @@ Run in its own pytest process (see conftest.py): ``python -m pytest tests/gpu/te
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections import Counter
 from pathlib import Path
@@ -120,6 +121,8 @@ def test_bf16_trl_step_with_our_kernels(mirror, checkpoints, workload):
     work, paths = checkpoints
     exact = Exact(workload, paths, work)
     plain, _ = _run(_trainer(workload, "trl", paths, work), exact, workload)
+    gc.collect()  # the plain trainer's models and optimizer state (Trainer holds cycles)
+    torch.cuda.empty_cache()
     trainer = _trainer(workload, "ours", paths, work)
     ours, served = _run(trainer, exact, workload)
     attr = KERNEL_CALLS[workload]

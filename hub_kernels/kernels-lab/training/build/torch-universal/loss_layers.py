@@ -441,18 +441,14 @@ def head_operands(head: nn.Module, x: torch.Tensor):
     return torch.cat(inputs, dim=-1), torch.cat(weights, dim=1), bias
 
 
-_WARNED: set[str] = set()
-
-
 def _warn_unfused(head: nn.Module) -> None:
-    name = type(head).__name__
-    if name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(
-            f"kernels: the fused loss cannot fold lm_head's {name} into its kernel; this head's "
-            "own forward builds the logits and the loss runs on them",
-            stacklevel=3,
-        )
+    # warnings' default filter shows it once per place and message, not every step
+    name = f"{type(head).__module__}.{type(head).__qualname__}"
+    warnings.warn(
+        f"kernels: the fused loss cannot fold lm_head's {name} into its kernel; this head's own "
+        "forward builds the logits and the loss runs on them",
+        stacklevel=3,
+    )
 
 
 def causal_lm_forward(
