@@ -141,8 +141,15 @@ def run_case(lpm, dtype, bias, transform, tile, upstream, grads_of):
         assert_close(g, g64, dtype, f"grad {tuple(t.shape)}", GRAD_FACTOR[dtype])
 
 
-@pytest.mark.parametrize("path", ["triton", "torch"])
-@pytest.mark.parametrize("case", list(CASES))
+# The interpreter runs the three cases that between them cut tokens, vocabulary and both, with
+# every transform and dtype; the torch path runs all (the rest: the KERNELS_SOAK sweep).
+ON_INTERPRETER = ("fp32-plain-both", "fp32-transforms-vocab", "bf16-transforms-tokens")
+
+
+@pytest.mark.parametrize(
+    "path,case",
+    [("triton", c) for c in ON_INTERPRETER] + [("torch", c) for c in CASES],
+)
 def test_matches_float64(lpm, monkeypatch, path, case):
     _path(monkeypatch, path)
     run_case(lpm, *CASES[case])
@@ -177,7 +184,8 @@ def test_each_outputs_combination(lpm, monkeypatch, path):
     all-fields call (which test_matches_float64 holds to float64); log_probs is always there."""
     _path(monkeypatch, path)
     h, w, b, labels = make(bias=True, n=6)
-    kw = {"temperature": 0.8, "softcap": 6.0, "tile": (6, 128)}
+    # Vocabulary chunks, so the merge of each field's statistics runs too.
+    kw = {"temperature": 0.8, "softcap": 6.0, "tile": (6, 128 if path == "torch" else 200)}
     full = lpm.fused_linear_logprob(h, w, labels, b, outputs=lpm.OUTPUTS, **kw)
     subsets = [s for k in range(len(OPTIONAL) + 1) for s in itertools.combinations(OPTIONAL, k)]
     for subset in subsets:
@@ -193,8 +201,7 @@ def test_each_outputs_combination(lpm, monkeypatch, path):
     assert lpm.fused_linear_logprob(h, w, labels, b, outputs=(), **kw).entropy is None
 
 
-@pytest.mark.parametrize("path", ["triton", "torch"])
-@pytest.mark.parametrize("upstream", ["lp", "ent"])
+@pytest.mark.parametrize("path,upstream", [("triton", "lp"), ("torch", "ent")])
 def test_missing_upstream_grad_costs_nothing(lpm, monkeypatch, path, upstream):
     """Entropy computed but only log_probs used (or the reverse): the backward's tile pass gets
     no gradient for the unused field, so it neither reads nor computes it."""
@@ -215,7 +222,7 @@ def test_missing_upstream_grad_costs_nothing(lpm, monkeypatch, path, upstream):
     assert seen and all(s == ((False, True) if upstream == "lp" else (True, False)) for s in seen)
 
 
-def test_ignored_rows_and_bad_labels(lpm):
+def test_ignored_rows_and_bad_labels(lpm, monkeypatch):
     """ignore_index rows: 0 in every field and zero gradient rows; a label outside [0, V) that
     is not ignore_index: NaN log-prob (loud, no host sync)."""
     h, w, _, labels = make()
@@ -236,7 +243,8 @@ def test_ignored_rows_and_bad_labels(lpm):
     (out.log_probs.nan_to_num().sum() + out.entropy.sum()).backward()
     assert torch.all(hl.grad[ignored] == 0)
     assert torch.isfinite(hl.grad).all() and torch.isfinite(wl.grad).all()
-    # A custom ignore_index
+    # A custom ignore_index (the masking is the same code on either path; the torch one is faster)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     other = torch.where(ignored, 7, labels)
     other[5] = other[6] = 3
     out2 = lpm.fused_linear_logprob(h, w, torch.where(ignored, V + 50, other), ignore_index=V + 50)
@@ -412,8 +420,9 @@ def test_bad_arguments(lpm):
         lpm.fused_linear_logprob(h, w, labels, temperature=0.0)
 
 
-def test_leading_dims_and_exports(kt, lpm):
+def test_leading_dims_and_exports(kt, lpm, monkeypatch):
     """[B, T, H] hidden with [B, T] labels gives [B, T] fields; the package exports the op."""
+    _path(monkeypatch, "torch")
     h, w, _, labels = make()
     out = kt.fused_linear_logprob(h[:36].view(4, 9, H), w, labels[:36].view(4, 9))
     flat = lpm.fused_linear_logprob(h[:36], w, labels[:36])

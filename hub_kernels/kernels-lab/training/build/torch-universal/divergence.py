@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, fast_launch, next_pow2, op_name, use_triton
-from .logprob import _MM_OUT_DTYPE, _mm_f32, _transform, tile_shape
+from .logprob import _MM_OUT_DTYPE, _mm_f32, _transform, choose, configs, tile_shape
 
 KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
 FKL, RKL, JSD, TVD = 0, 1, 2, 3
@@ -245,8 +245,10 @@ def _bwd_kernel(
     tl.store(g_ptr + row * g_stride + cols, grad.to(g_ptr.dtype.element_ty), mask=mask)
 
 
-_BLOCK = 2048
-_BWD_BLOCK = 4096
+# (BLOCK, num_warps) candidates, timed on the GPU as logprob.py's (two tiles are read per
+# element here, so the smaller blocks come first).
+STATS_CONFIGS = [(2048, 8), (1024, 4), (4096, 16), (2048, 4)]
+BWD_CONFIGS = [(2048, 8), (4096, 8), (1024, 4), (4096, 16)]
 
 
 class _Opts(NamedTuple):
@@ -290,39 +292,57 @@ def _scalars(o: _Opts):
     return (o.s_scale, o.s_cap, o.t_scale, o.t_cap, o.inv_t)
 
 
+def _key(name, tile, o, sb, tb, ign, n_cols):
+    return (name, tile.device, next_pow2(n_cols), *_kernel_common(o, sb, tb, ign).values())
+
+
 def _stats_triton(s_tile, t_tile, sb, tb, ign, stats, outs, col0, o, first, last):
     n, n_cols = s_tile.shape
     div, ent, s_lz, t_lz = outs
-    block = min(_BLOCK, next_pow2(n_cols))
-    _stats_kernel[(n,)](
-        s_tile, t_tile, s_tile.stride(0), sb if sb is not None else s_tile,
-        tb if tb is not None else s_tile, ign if ign is not None else s_tile,
-        stats if stats is not None else div, stats.stride(0) if stats is not None else 0,
-        div, ent, s_lz, t_lz, col0, n_cols, *_scalars(o), **_kernel_common(o, sb, tb, ign),
-        FIRST=first, LAST=last, BLOCK=block, num_warps=8 if block >= 2048 else 4,
-    )  # fmt: skip
+
+    def launch(cfg):
+        _stats_kernel[(n,)](
+            s_tile, t_tile, s_tile.stride(0), sb if sb is not None else s_tile,
+            tb if tb is not None else s_tile, ign if ign is not None else s_tile,
+            stats if stats is not None else div, stats.stride(0) if stats is not None else 0,
+            div, ent, s_lz, t_lz, col0, n_cols, *_scalars(o), **_kernel_common(o, sb, tb, ign),
+            FIRST=first, LAST=last, **cfg,
+        )  # fmt: skip
+
+    key = _key("divergence_stats", s_tile, o, sb, tb, ign, n_cols)
+    launch(choose(key, configs(STATS_CONFIGS, n_cols), launch, s_tile.device, first))
 
 
 def _second_triton(s_tile, t_tile, sb, tb, ign, s_lz, t_lz, div, aux, col0, o, first, last):
     n, n_cols = s_tile.shape
-    block = min(_BLOCK, next_pow2(n_cols))
-    _second_kernel[(n,)](
-        s_tile, t_tile, s_tile.stride(0), sb if sb is not None else s_tile,
-        tb if tb is not None else s_tile, ign if ign is not None else s_tile, s_lz, t_lz, div,
-        aux, col0, n_cols, o.beta, *_mix_logs(o), *_scalars(o), **_kernel_common(o, sb, tb, ign),
-        FIRST=first, LAST=last, BLOCK=block, num_warps=8 if block >= 2048 else 4,
-    )  # fmt: skip
+
+    def launch(cfg):
+        _second_kernel[(n,)](
+            s_tile, t_tile, s_tile.stride(0), sb if sb is not None else s_tile,
+            tb if tb is not None else s_tile, ign if ign is not None else s_tile, s_lz, t_lz,
+            div, aux, col0, n_cols, o.beta, *_mix_logs(o), *_scalars(o),
+            **_kernel_common(o, sb, tb, ign), FIRST=first, LAST=last, **cfg,
+        )  # fmt: skip
+
+    key = _key("divergence_second", s_tile, o, sb, tb, ign, n_cols)
+    launch(choose(key, configs(STATS_CONFIGS, n_cols), launch, s_tile.device, first))
 
 
 def _bwd_triton(s_tile, t_tile, g, sb, tb, ign, s_lz, t_lz, aux, gdiv, col0, o):
     n, n_cols = s_tile.shape
-    block = min(_BWD_BLOCK, next_pow2(n_cols))
-    _bwd_kernel[(n, cdiv(n_cols, block))](
-        s_tile, t_tile, s_tile.stride(0), g, g.stride(0), sb if sb is not None else s_tile,
-        tb if tb is not None else s_tile, ign if ign is not None else s_tile, s_lz, t_lz, aux,
-        gdiv, col0, n_cols, o.beta, *_mix_logs(o), *_scalars(o), **_kernel_common(o, sb, tb, ign),
-        BLOCK=block, num_warps=8 if block >= 2048 else 4,
-    )  # fmt: skip
+
+    def launch(cfg):
+        _bwd_kernel[(n, cdiv(n_cols, cfg["BLOCK"]))](
+            s_tile, t_tile, s_tile.stride(0), g, g.stride(0), sb if sb is not None else s_tile,
+            tb if tb is not None else s_tile, ign if ign is not None else s_tile, s_lz, t_lz,
+            aux, gdiv, col0, n_cols, o.beta, *_mix_logs(o), *_scalars(o),
+            **_kernel_common(o, sb, tb, ign), **cfg,
+        )  # fmt: skip
+
+    # Timed only where the gradient goes to its own buffer (a repeated launch then writes the
+    # same); fp32 inputs take it in place, with the default or a config timed earlier.
+    key = _key("divergence_bwd", g, o, sb, tb, ign, n_cols) + (g.dtype,)
+    launch(choose(key, configs(BWD_CONFIGS, n_cols), launch, s_tile.device, g is not s_tile))
 
 
 # --- The same per tile in torch (CPU without the interpreter) ---------------------------------

@@ -36,7 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, fast_launch, next_pow2, op_name, use_triton
+from ._common import (
+    cached_config,
+    cdiv,
+    fast_launch,
+    next_pow2,
+    op_name,
+    pick_config,
+    use_triton,
+)
 
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # Bits of the op's `outputs` argument, one per optional field (log_probs is always computed).
@@ -204,13 +212,14 @@ def _fwd_kernel(
 @fast_launch
 @triton.jit
 def _bwd_kernel(
-    tile_ptr, stride_t, labels_ptr, bias_ptr, logz_ptr, ent_ptr, glp_ptr, gent_ptr,
-    col0, n_cols, ignore_index, scale, cap, inv_t,
+    tile_ptr, stride_t, out_ptr, stride_o, labels_ptr, bias_ptr, logz_ptr, ent_ptr, glp_ptr,
+    gent_ptr, col0, n_cols, ignore_index, scale, cap, inv_t,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr,
     HAS_GENT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Overwrite one block of a tile row (the recomputed logits) with d(out)/d(logits):
-    g_lp·([j = y] - p_j) - g_ent·p_j·(log p_j + H), times the transform's derivative."""
+    g_lp·([j = y] - p_j) - g_ent·p_j·(log p_j + H), times the transform's derivative. (out is
+    the tile itself; another buffer only while configs are timed.)"""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -224,8 +233,7 @@ def _bwd_kernel(
         b = tl.where(valid, tl.load(gent_ptr + row).to(tl.float32), 0.0)
         h = tl.load(ent_ptr + row)
     log_z = tl.load(logz_ptr + row)
-    ptrs = tile_ptr + row * stride_t + cols
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(tile_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(bias_ptr + col0 + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * scale
@@ -244,40 +252,84 @@ def _bwd_kernel(
     g = g * (scale * inv_t)
     if HAS_SOFTCAP:
         g = g * (1.0 - t * t)
-    tl.store(ptrs, g.to(tile_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, g.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_FWD_BLOCK = 2048
-_BWD_BLOCK = 4096
+# Launch geometries, (BLOCK, num_warps): the first is the default (and the interpreter's); on a
+# GPU the fastest for a key is timed once per process (pick_config, L2 flushed before each
+# launch). A wider block puts more bytes in flight per program; more warps spread its registers.
+FWD_CONFIGS = [(2048, 8), (4096, 8), (4096, 16), (1024, 4), (8192, 16)]
+BWD_CONFIGS = [(4096, 8), (2048, 4), (2048, 8), (8192, 16), (1024, 4)]
+# Rows of a tile the backward's configs are timed on (out of place, into a scratch buffer).
+TUNE_ROWS = 4096
+
+
+def configs(candidates: list, n_cols: int) -> list[dict]:
+    """The candidates whose block a row of `n_cols` fills at least half of (the narrowest
+    otherwise), as launch keywords."""
+    cap = next_pow2(n_cols)
+    fit = [(b, w) for b, w in candidates if b <= cap] or [(min(b for b, _ in candidates), 4)]
+    return [{"BLOCK": min(b, cap), "num_warps": w} for b, w in dict.fromkeys(fit)]
+
+
+def choose(key: tuple, candidates: list[dict], launch, device: torch.device, tunable: bool):
+    """The config for `key`: timed on the GPU when `launch` may be repeated (it writes what one
+    launch would), else the one timed earlier for the key, else the default."""
+    if device.type == "cuda" and tunable and len(candidates) > 1:
+        return pick_config(key, candidates, launch, cold=device)
+    return cached_config(key) or candidates[0]
 
 
 def _fwd_tile_triton(tile, labels, bias, stats, outs, col0, vocab, o, first, last):
     n, n_cols = tile.shape
     lp, ent, sq, mean, top1, log_z = outs
-    block = min(_FWD_BLOCK, next_pow2(n_cols))
-    _fwd_kernel[(n,)](
-        tile, tile.stride(0), labels, bias if bias is not None else tile,
-        stats if stats is not None else lp, stats.stride(0) if stats is not None else 0,
-        lp, ent if ent.numel() else lp, sq if sq.numel() else lp, mean if mean.numel() else lp,
-        top1.view(torch.int8) if top1.numel() else lp, log_z,
-        col0, n_cols, vocab, o.ignore_index, o.scale, o.cap, o.inv_t,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=o.has_softcap, HAS_ENT=o.bits & ENTROPY != 0,
-        HAS_SQ=o.bits & SUM_SQ != 0, HAS_MEAN=o.bits & MEAN != 0, HAS_TOP1=o.bits & TOP1 != 0,
-        FIRST=first, LAST=last, BLOCK=block, num_warps=8 if block >= 2048 else 4,
-    )  # fmt: skip
+    flags = {
+        "HAS_BIAS": bias is not None, "HAS_SOFTCAP": o.has_softcap,
+        "HAS_ENT": o.bits & ENTROPY != 0, "HAS_SQ": o.bits & SUM_SQ != 0,
+        "HAS_MEAN": o.bits & MEAN != 0, "HAS_TOP1": o.bits & TOP1 != 0,
+    }  # fmt: skip
+
+    def launch(cfg):
+        _fwd_kernel[(n,)](
+            tile, tile.stride(0), labels, bias if bias is not None else tile,
+            stats if stats is not None else lp, stats.stride(0) if stats is not None else 0,
+            lp, ent if ent.numel() else lp, sq if sq.numel() else lp,
+            mean if mean.numel() else lp, top1.view(torch.int8) if top1.numel() else lp, log_z,
+            col0, n_cols, vocab, o.ignore_index, o.scale, o.cap, o.inv_t,
+            FIRST=first, LAST=last, **flags, **cfg,
+        )  # fmt: skip
+
+    # The first chunk's launch reads only the tile, so timing may repeat it.
+    key = ("logprob_fwd", tile.dtype, tile.device, next_pow2(n_cols), *flags.values())
+    launch(choose(key, configs(FWD_CONFIGS, n_cols), launch, tile.device, first))
 
 
 def _bwd_tile_triton(tile, labels, bias, log_z, ent, glp, gent, col0, o):
     n, n_cols = tile.shape
-    block = min(_BWD_BLOCK, next_pow2(n_cols))
-    _bwd_kernel[(n, cdiv(n_cols, block))](
-        tile, tile.stride(0), labels, bias if bias is not None else tile, log_z,
-        ent if ent is not None else log_z, glp if glp is not None else log_z,
-        gent if gent is not None else log_z,
-        col0, n_cols, o.ignore_index, o.scale, o.cap, o.inv_t,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=o.has_softcap, HAS_GLP=glp is not None,
-        HAS_GENT=gent is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
-    )  # fmt: skip
+    flags = {
+        "HAS_BIAS": bias is not None, "HAS_SOFTCAP": o.has_softcap, "HAS_GLP": glp is not None,
+        "HAS_GENT": gent is not None,
+    }  # fmt: skip
+
+    def launch(cfg, rows=n, out=tile):
+        _bwd_kernel[(rows, cdiv(n_cols, cfg["BLOCK"]))](
+            tile, tile.stride(0), out, out.stride(0), labels,
+            bias if bias is not None else tile, log_z, ent if ent is not None else log_z,
+            glp if glp is not None else log_z, gent if gent is not None else log_z,
+            col0, n_cols, o.ignore_index, o.scale, o.cap, o.inv_t, **flags, **cfg,
+        )  # fmt: skip
+
+    key = ("logprob_bwd", tile.dtype, tile.device, next_pow2(n_cols), *flags.values())
+    candidates = configs(BWD_CONFIGS, n_cols)
+    cfg = cached_config(key)
+    if cfg is None and tile.is_cuda and len(candidates) > 1:
+        # In place, a launch consumes its input: the configs are timed on the first rows,
+        # written to a scratch buffer.
+        rows = min(n, TUNE_ROWS)
+        scratch = torch.empty(rows, n_cols, dtype=tile.dtype, device=tile.device)
+        cfg = choose(key, candidates, lambda c: launch(c, rows, scratch), tile.device, True)
+        del scratch
+    launch(cfg or candidates[0])
 
 
 # --- The same per tile in torch (CPU without the interpreter) ---------------------------------
@@ -698,7 +750,7 @@ def fused_linear_logprob(
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"hidden must be fp32, bf16 or fp16, got {hidden.dtype}")
     rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    flat_labels = labels.reshape(-1).to(torch.int64).contiguous()
+    flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64).contiguous()
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     tr, tc = tile if tile is not None else (0, 0)
