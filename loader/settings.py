@@ -279,3 +279,24 @@ def signature_signers(publisher: str) -> tuple[str, ...]:
             'build.yaml@refs/heads/main"]',
         )
     return tuple(uris)
+
+
+TRL_HEAD_CHOICES = ("kernels", "trl")
+
+
+def trl_head() -> str:
+    """KERNELS_TRL_HEAD: which kernel serves TRL's fused_lm_head calls on a model whose loss head
+    this package bound: "kernels" (the default, the training kernels' log-prob head) or "trl"
+    (TRL's own ChunkedLogProbFunction / ChunkedDivergenceFunction). Read when kernelize binds."""
+    raw = os.environ.get("KERNELS_TRL_HEAD")
+    if raw is None or raw.strip() == "":
+        return "kernels"
+    value = raw.strip().lower()
+    if value not in TRL_HEAD_CHOICES:
+        from .errors import InvalidSpec
+
+        raise InvalidSpec(
+            f"KERNELS_TRL_HEAD={raw!r} is neither 'kernels' nor 'trl'",
+            hint="set KERNELS_TRL_HEAD=trl to keep TRL's own fused head, or unset it",
+        )
+    return value

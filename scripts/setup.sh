@@ -55,8 +55,8 @@ else
   step "keeping $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)') and its triton"
   triton=""
 fi
-step "installing transformers 5.24.0, ${triton:+$triton, }test tools"
-pip "transformers==5.24.0" ${triton:+"$triton"} accelerate numpy ruff
+step "installing transformers 5.24.0, ${triton:+$triton, }TRL 1.16, peft 0.21, test tools"
+pip "transformers==5.24.0" ${triton:+"$triton"} accelerate numpy ruff "trl==1.16.0" "peft==0.21.2" datasets
 step "installing kernels from this checkout (editable, with its test extras)"
 # setuptools prints banners (e.g. "Editable installation") on success: show the log on failure only.
 log=.venv/kernels-setup-pip.log

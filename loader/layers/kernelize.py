@@ -262,11 +262,17 @@ def run_kernelize(
         )
         for site in _sites(model, only)
     ]
+    if not dry_run:
+        from ..training import trl_head  # which fused path serves TRL's fused_lm_head
+
+        head_choice = trl_head.choice()  # a bad setting raises before the model changes
     for _, change in decisions:
         if change is not None:
             change()
     entries = tuple(entry for entry, _ in decisions)
     entries += tuple(_unserved_entries(model, {e.path for e in entries}))
+    if not dry_run:
+        entries += tuple(trl_head.sync(model, head_choice))
     report = BindReport(type(model).__name__, mode, target.type, entries, dry_run)
     if not dry_run:
         record(model, report)

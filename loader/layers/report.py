@@ -20,6 +20,7 @@ ORIGINAL = "original"  # the module keeps (or got back) its original forward
 SKIPPED = "skipped"  # kernel_condition said no for this instance
 PLANNED = "would bind"  # dry run: this kernel would be bound
 BLOCKED = "would raise"  # dry run: a real run would raise (the fallback flags forbid keeping it)
+ROUTED = "routed"  # calls another library makes (TRL's fused LM head) go to this kernel
 
 _REPORT = "_kernels_last_report"  # model.__dict__ key
 _COMMIT = re.compile(r"(?<=@)[0-9a-f]{40}")  # shown as 12 hex in the table
@@ -71,7 +72,7 @@ class BindReport:
 
     @property
     def kept(self) -> tuple[BindEntry, ...]:
-        return tuple(e for e in self.entries if e.status not in (BOUND, PLANNED))
+        return tuple(e for e in self.entries if e.status not in (BOUND, PLANNED, ROUTED))
 
     def __str__(self) -> str:
         title = "plan (dry run)" if self.dry_run else "kernelize"

@@ -82,9 +82,14 @@ def plan_training_kernels(
 ) -> Plan:
     """Classify ``source`` (model, config, path or repo id) against the kernel repo's layers
     and mark its classes; the plan lists what is served and what is not (with the reason)."""
+    import torch
+
     model = _model_from(source)
     available, experts_check = repo_checks(_load_repo(repo, version, revision))
-    plan = classify(model, available, experts_check)
+    # the probes build small modules (nn.Linear draws its init from the global generator):
+    # the caller's random stream (set_seed before the trainer samples) stays as it was
+    with torch.random.fork_rng(devices=[]):
+        plan = classify(model, available, experts_check)
     plan.mark(model if source is model else None)
     return plan
 
@@ -102,16 +107,17 @@ def training_kernel_config(
     source: Any, *, repo: str = TRAINING_REPO, version: int | None = 1, revision: str | None = None
 ):
     """A transformers ``KernelConfig`` for ``from_pretrained(..., use_kernels=True,
-    kernel_config=...)``. transformers accepts KernelConfig on accelerators only; on the CPU
+    kernel_config=...)``, reusable across loads (TRL loads its reference model with the same
+    one; kernel_config.py). transformers accepts KernelConfig on accelerators only; on the CPU
     use ``apply_training_kernels(model)``."""
-    from transformers import KernelConfig
+    from .kernel_config import reusable_kernel_config
 
     mapping = training_kernel_mapping(source, repo=repo, version=version, revision=revision)
     if revision is None and version in (None, 1):
-        return KernelConfig(kernel_mapping=mapping)
+        return reusable_kernel_config(mapping)
     meta = {"revision": revision} if revision is not None else {"version": version}
     # transformers does not parse "@rev" in a KernelConfig: the tuple form carries it
-    return KernelConfig(kernel_mapping={name: (f"{repo}:{name}", dict(meta)) for name in mapping})
+    return reusable_kernel_config({name: (f"{repo}:{name}", dict(meta)) for name in mapping})
 
 
 def apply_training_kernels(

@@ -22,6 +22,7 @@ the hidden states and ``lm_head.weight`` (``fused_linear_cross_entropy``), never
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from torch import nn
 from ._common import has_hooks
 from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
+from .logprob import fused_linear_logprob
 
 
 class ForCausalLM(nn.Module):
@@ -124,11 +126,13 @@ class MoEForCausalLM(nn.Module):
         wanted = output_router_logits
         if wanted is None:
             wanted = getattr(self.config, "output_router_logits", False)
-        if wanted:
+        if wanted and not kwargs.get("fused_lm_head"):
             return type(self).forward(
                 self, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
                 use_cache, output_router_logits, logits_to_keep, **kwargs,
             )  # fmt: skip
+        if wanted:  # a fused_lm_head call: the aux loss is added there, as TRL does
+            kwargs["output_router_logits"] = True
         return causal_lm_forward(
             self,
             input_ids,
@@ -351,9 +355,21 @@ def fused_causal_lm_loss(
             "with labels, pass logits_to_keep=0 (or matching shift_labels)"
         )
     head = model.lm_head if head is None else head
+    if head_terms(head) is None:
+        # an adapter the fused loss cannot fold in (DoRA, a quantized or custom head): the
+        # head's own forward builds the logits, said once
+        _warn_unfused(head)
+        logits = _head_logits(model, rows, softcap, scale, head)
+        return cross_entropy(
+            logits,
+            target,
+            ignore_index=ignore_index,
+            num_items=kwargs.get("num_items_in_batch"),
+            inplace=False,
+        )
 
     def loss_fn(x: torch.Tensor) -> torch.Tensor:
-        weight, bias = head.weight, head.bias
+        x, weight, bias = head_operands(head, x)
         if scale != 1.0:
             if bias is None:
                 x = x * scale
@@ -370,6 +386,69 @@ def fused_causal_lm_loss(
         )
 
     return _through_module(head, loss_fn, rows)
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def head_terms(head: nn.Module) -> list | None:
+    """How the fused paths compute ``head(x)``: [] for a plain Linear (its weight and bias, or
+    a PEFT LoRA Linear whose adapters are off or merged); for a PEFT LoRA Linear over a plain
+    Linear, its active plain LoRA adapters as (lora_A, lora_B, dropout, scaling); None when the
+    head computes something else (DoRA and other variants, other tuners, quantized layers)."""
+    if _plain_linear(head):
+        return []
+    base, adapters_a = getattr(head, "base_layer", None), getattr(head, "lora_A", None)
+    if base is None or not isinstance(adapters_a, nn.ModuleDict) or not _plain_linear(base):
+        return None
+    merged, disabled = getattr(head, "merged", False), getattr(head, "disable_adapters", False)
+    if disabled or merged:
+        # disabled and merged: PEFT's forward unmerges first, so the weight is not the base one
+        return None if disabled and merged else []
+    terms = []
+    for name in getattr(head, "active_adapters", ()):
+        if name not in adapters_a:
+            continue
+        if name in getattr(head, "lora_variant", {}):
+            return None
+        a, b = adapters_a[name], head.lora_B[name]
+        if not (_plain_linear(a) and _plain_linear(b)) or a.bias is not None:
+            return None
+        terms.append((a, b, head.lora_dropout[name], head.scaling[name]))
+    return terms
+
+
+def head_operands(head: nn.Module, x: torch.Tensor):
+    """(x', W', b') with ``x' @ W'.T + b' == head(x)`` for the heads ``head_terms`` serves.
+
+    A LoRA head adds s * B(A(drop(x))): its rank-r input s * A(drop(x)) is appended to x and
+    B's weight to W (a [V, H + r] copy per call), so the fused kernels see one Linear and the
+    adapters get their gradients through the concatenations; B's bias joins the bias."""
+    terms = head_terms(head)
+    base = head if not terms and _plain_linear(head) else head.base_layer
+    weight, bias = base.weight, base.bias
+    if not terms:
+        return x, weight, bias
+    inputs, weights = [x], [weight]
+    for a, b, dropout, scaling in terms:
+        low = a(dropout(x.to(a.weight.dtype))) * scaling
+        inputs.append(low.to(x.dtype))
+        weights.append(b.weight.to(weight.dtype))
+        if b.bias is not None:
+            extra = (b.bias * scaling).to(weight.dtype)
+            bias = extra if bias is None else bias + extra
+    return torch.cat(inputs, dim=-1), torch.cat(weights, dim=1), bias
+
+
+def _warn_unfused(head: nn.Module) -> None:
+    # warnings' default filter shows it once per place and message, not every step
+    name = f"{type(head).__module__}.{type(head).__qualname__}"
+    warnings.warn(
+        f"kernels: the fused loss cannot fold lm_head's {name} into its kernel; this head's own "
+        "forward builds the logits and the loss runs on them",
+        stacklevel=3,
+    )
 
 
 def causal_lm_forward(
@@ -391,6 +470,10 @@ def causal_lm_forward(
     the MoE output class (no aux loss: router logits were not asked for)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    if kwargs.pop("fused_lm_head", False):
+        return fused_lm_head_forward(
+            model, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, kwargs
+        )
     return_logits = kwargs.pop("return_logits", None)
     return_dict = kwargs.pop("return_dict", None)
     if cache is None:  # the name transformers' deprecate_kwarg maps onto `cache`
@@ -485,12 +568,15 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     """The body of ``CausalLMHead.forward``."""
     kwargs = dict(kwargs)
     return_logits = kwargs.pop("return_logits", None)
+    fused_head = kwargs.pop("fused_lm_head", False)
+    options = _fused_options(kwargs) if fused_head else None
     sig = _signature(type(model))
     bound = sig.bind(model, *args, **kwargs)
     labels = bound.arguments.get("labels")
-    if labels is None:
+    if labels is None and not fused_head:
         return type(model).forward(*bound.args, **bound.kwargs)
-    bound.arguments["labels"] = None
+    if "labels" in bound.arguments:
+        bound.arguments["labels"] = None
     var_kw = next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
     extra = dict(bound.arguments.get(var_kw) or {}) if var_kw else {}
     if (
@@ -501,7 +587,19 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
         bound.arguments["use_cache"] = (
             False  # a cache nobody asked for, in a step that will not decode
         )
+    if fused_head:
+        if "use_cache" in sig.parameters:
+            bound.arguments["use_cache"] = False
+        if (
+            "output_router_logits" in sig.parameters
+            and bound.arguments.get("output_router_logits") is None
+        ):
+            wanted = getattr(model.config.get_text_config(), "output_router_logits", False)
+            bound.arguments["output_router_logits"] = wanted
     out, hidden = _run_without_logits(model, bound)
+    if fused_head:
+        aux = None if isinstance(out, tuple) else out.get("aux_loss")
+        return fused_lm_head_output(model, hidden, labels, output_head(model), options, aux)
     softcap = logit_softcap(model)
     scale = logit_scale(model)
     head = output_head(model)
@@ -525,3 +623,140 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     out["loss"] = loss
     out["logits"] = logits
     return out
+
+
+# -- TRL's fused LM head contract (``model(..., labels=..., fused_lm_head=True)``) --------------
+
+FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_FUSED_OUTPUT: list[type] = []
+
+
+def fused_output_class() -> type:
+    """A transformers ``ModelOutput`` with the fields of TRL 1.16's ``FusedCausalLMOutput``
+    (made on first use: transformers is imported lazily)."""
+    if not _FUSED_OUTPUT:
+        from dataclasses import dataclass
+
+        from transformers.utils import ModelOutput
+
+        @dataclass
+        class FusedCausalLMOutput(ModelOutput):
+            loss: torch.Tensor | None = None
+            log_probs: torch.Tensor | None = None
+            entropy: torch.Tensor | None = None
+            log_sum_sq_probs: torch.Tensor | None = None
+            mean_logits: torch.Tensor | None = None
+            is_top1: torch.Tensor | None = None
+            label_mask: torch.Tensor | None = None
+            aux_loss: torch.Tensor | None = None
+
+        _FUSED_OUTPUT.append(FusedCausalLMOutput)
+    return _FUSED_OUTPUT[0]
+
+
+def _fused_options(kwargs: dict) -> dict:
+    """The fused-head arguments of a call, taken out of the kwargs the backbone gets:
+    TRL's ``labels``/``shift_labels``/``num_items_in_batch`` and this layer's ``temperature``
+    and ``fused_outputs`` (TRL sets those two once, in ``add_fused_lm_head``)."""
+    outputs = tuple(kwargs.pop("fused_outputs", ("log_probs",)))
+    unknown = set(outputs) - set(FUSED_FIELDS)
+    if unknown:
+        raise ValueError(f"fused_outputs {sorted(unknown)} unknown; choose among {FUSED_FIELDS}")
+    return {
+        "shift_labels": kwargs.pop("shift_labels", None),
+        "num_items_in_batch": kwargs.pop("num_items_in_batch", None),
+        "temperature": kwargs.pop("temperature", 1.0),
+        "outputs": outputs if "log_probs" in outputs else ("log_probs", *outputs),
+    }
+
+
+def fused_lm_head_forward(
+    model, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, kwargs: dict
+):
+    """``fused_lm_head=True`` on a Llama-style head: the backbone without a cache, then the
+    per-token fields of TRL's contract from the fused log-prob kernel (no [tokens, vocab]
+    logits), plus the MoE load-balancing loss when router logits are asked for."""
+    options = _fused_options(kwargs)
+    for name in ("return_logits", "return_dict", "use_cache", "past_key_values"):
+        kwargs.pop(name, None)
+    outputs = model.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        inputs_embeds=inputs_embeds,
+        use_cache=False,
+        **kwargs,
+    )
+    aux = None
+    if kwargs.get("output_router_logits"):
+        aux = _load_balancing_loss(model, outputs.router_logits, attention_mask)
+    return fused_lm_head_output(
+        model, outputs.last_hidden_state, labels, model.lm_head, options, aux
+    )
+
+
+def _load_balancing_loss(model: nn.Module, router_logits, attention_mask) -> torch.Tensor:
+    """The router's load-balancing loss as TRL's fused head computes it (Mixtral's function,
+    which every MoE family of transformers shares)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = model.config.get_text_config()
+    return load_balancing_loss_func(
+        router_logits, config.num_experts, config.num_experts_per_tok, attention_mask
+    )
+
+
+def fused_lm_head_output(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    head: nn.Module,
+    options: dict,
+    aux: torch.Tensor | None = None,
+):
+    """TRL's ``FusedCausalLMOutput`` for the hidden states of every position: labels shifted
+    left (or the caller's ``shift_labels`` as they are), only the positions whose label is not
+    -100 projected, every field zero elsewhere; loss = -sum(log_probs) / (kept count or
+    ``num_items_in_batch``), plus ``router_aux_loss_coef * aux``."""
+    shift_labels = options["shift_labels"]
+    if shift_labels is not None:
+        targets = shift_labels
+    elif labels is not None:
+        hidden, targets = hidden[:, :-1], labels[:, 1:]
+    else:
+        raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
+    if head_terms(head) is None:
+        raise ValueError(
+            f"fused_lm_head=True reads lm_head's weight, but lm_head is a {type(head).__name__} "
+            "(not a plain Linear nor a plain LoRA Linear); call without fused_lm_head"
+        )
+    targets = targets.to(hidden.device)
+    mask = targets != -100
+    rows = hidden[mask]
+
+    def fields_fn(x: torch.Tensor):
+        x, weight, bias = head_operands(head, x)
+        return fused_linear_logprob(
+            x,
+            weight,
+            targets[mask],
+            bias,
+            temperature=options["temperature"],
+            softcap=logit_softcap(model),
+            logit_scale=logit_scale(model),
+            outputs=options["outputs"],
+        )
+
+    found = _through_module(head, fields_fn, rows)
+    # masked_scatter keeps an all-ignored batch connected to the graph (a zero loss that
+    # backpropagates), as TRL's head does
+    per_token = {
+        name: None if value is None else value.new_zeros(mask.shape).masked_scatter(mask, value)
+        for name, value in zip(FUSED_FIELDS, found, strict=True)
+    }
+    num_items = options["num_items_in_batch"]
+    count = mask.sum().clamp(min=1) if num_items is None else num_items
+    loss = -per_token["log_probs"].sum() / count
+    if aux is not None:
+        loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux
+    return fused_output_class()(loss=loss, label_mask=mask, aux_loss=aux, **per_token)

@@ -1,0 +1,38 @@
+"""A transformers ``KernelConfig`` that survives being used for more than one model.
+
+transformers rewrites ``kernel_config.kernel_mapping`` in place while it loads a model (into
+``(repo, metadata)`` tuples, then into ``{layer: {device: {Mode: LayerRepository}}}``), and a
+second ``from_pretrained`` with the same object fails inside transformers on the nested form.
+TRL's trainers do exactly that: the reference model (DPO, KTO, GRPO and RLOO with a KL term) is
+loaded with the policy's ``model_init_kwargs``, the same object. The config made here keeps the
+tuple form, which every load accepts, and hands each model its own copy for the nested form
+(``model.kernel_config``, which transformers reads again on every ``train()``/``eval()``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+_CLASS: list[type] = []
+
+
+def reusable_kernel_config(mapping: dict[str, Any]) -> Any:
+    """``KernelConfig(kernel_mapping=mapping)`` that any number of ``from_pretrained`` calls
+    (and TRL's policy plus reference models) can share."""
+    if not _CLASS:
+        from transformers import KernelConfig
+
+        class TrainingKernelConfig(KernelConfig):
+            """KernelConfig whose own mapping stays in the form a load accepts; each model
+            gets a copy holding the nested form transformers makes from it."""
+
+            def create_compatible_mapping(self, model, compile=False):  # noqa: ANN001, ANN201
+                own = copy.copy(self)
+                own.kernel_mapping = dict(self.kernel_mapping)
+                KernelConfig.create_compatible_mapping(own, model, compile)
+                # set_use_kernels set model.kernel_config to this shared object just before
+                model.kernel_config = own
+
+        _CLASS.append(TrainingKernelConfig)
+    return _CLASS[0](kernel_mapping=mapping)
