@@ -338,3 +338,24 @@ def test_model_shapes_keep_the_one_tile_kernel(rope_mod):
     # Ragged tiles (41 of 64 rows, half head_dim 20): no candidate over RAGGED_VALUES per thread
     ragged = rope_mod.rope_candidates(41, 41, 40)
     assert {"BLOCK_T": 1, "num_warps": 1} not in ragged and len(ragged) == 5
+
+
+@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_op_torch_path_rotates_right(rope_mod, monkeypatch, backward, layout):
+    """The custom op (what torch.compile calls) on the torch formula, where Triton does not run:
+    the rotation and its transpose, outputs laid out as the fake registration says."""
+    q, k, cos, sin = make_inputs(2, 5, 4, 2, 24, "B", torch.float32, layout)
+    distinct = cos.clone(), sin.clone()
+    distinct[0][..., 12:] += 0.5
+    distinct[1][..., 12:] -= 0.5
+    monkeypatch.setattr(rope_mod, "use_triton", lambda t: False)
+    for c, s in ((cos, sin), distinct):
+        q64, k64 = leaf64(q), leaf64(k)
+        qr, kr = rope64(q64, k64, c.double(), s.double())
+        if backward:
+            qr, kr = torch.autograd.grad((qr, kr), (q64, k64), (q.double(), k.double()))
+        qo, ko = rope_mod.rope(q.detach(), k.detach(), c, s, 1, backward)
+        assert qo.stride() == rope_mod._out_like(q).stride()
+        assert_close(qo, qr, torch.float32, "q")
+        assert_close(ko, kr, torch.float32, "k")

@@ -575,15 +575,23 @@ def rope(
     unsqueeze_dim: int,
     backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Only reached for calls that triton_supported() accepts (see apply_rotary_pos_emb). Under
+    # Only reached for calls whose layouts the kernel covers (see apply_rotary_pos_emb). Under
     # torch.compile both halves are read: Inductor may reuse a buffer object for another tensor,
     # writing it with its own kernels, which a kept answer would not notice.
-    return rotate(q, k, cos, sin, unsqueeze_dim, backward, repeats=None)
+    if use_triton(q):
+        return rotate(q, k, cos, sin, unsqueeze_dim, backward, repeats=None)
+    # The torch formula (CPU without the interpreter): the same graph on every device, and
+    # outputs laid out as the fake registration says (`_out_like`).
+    if backward:  # the transposed rotation: the sine's halves swapped and negated
+        s1, s2 = sin.chunk(2, dim=-1)
+        sin = -torch.cat((s2, s1), dim=-1)
+    qr, kr = composite(q, k, cos, sin, unsqueeze_dim)
+    return _out_like(q).copy_(qr), _out_like(k).copy_(kr)
 
 
 @rope.register_fake
 def _(q, k, cos, sin, unsqueeze_dim, backward):
-    return torch.empty_like(q), torch.empty_like(k)
+    return _out_like(q), _out_like(k)
 
 
 def _setup_context(ctx, inputs, output):
@@ -812,7 +820,9 @@ def apply_rotary_pos_emb(
     In eager mode the rotation may be written over q and k themselves (where safe; see the
     module docstring): read the returned tensors, not q and k, after the call."""
     if torch.compiler.is_compiling():
-        if triton_supported(q, k, cos, sin, unsqueeze_dim):
+        # The op on every device (it runs the torch formula where Triton does not run), so the
+        # compiled graph is the same on a CPU as on a GPU.
+        if _layouts_supported(q, k, cos, sin, unsqueeze_dim):
             return rope(q, k, cos, sin, unsqueeze_dim, False)
         return composite(q, k, cos, sin, unsqueeze_dim)
     if not use_triton(q):  # first: a CPU call without the interpreter builds no key
