@@ -294,11 +294,22 @@ def rate_cell(row: dict) -> str:
 TIE = 1.03  # within 3 % of the best peer counts as a tie
 
 
+GRAPHED = " reduce-overhead"  # bench_cases_elementwise's suffix for rows under CUDA graphs
+
+
 def verdict(group: list[dict], ours: dict) -> str:
     """One of our rows ("ours", or a variant named "ours ...") against the best peer of its case
     (our variants are not peers): "ok", or what is behind (device / wall time by more than 3 %,
-    or more extra memory than Liger)."""
-    peers = [r for r in group if not r["impl"].startswith("ours") and "error" not in r]
+    or more extra memory than Liger). A row under CUDA graphs is compared with the peers
+    under CUDA graphs, any other row with the peers without."""
+    graphed = ours["impl"].endswith(GRAPHED)
+    peers = [
+        r
+        for r in group
+        if not r["impl"].startswith("ours")
+        and "error" not in r
+        and r["impl"].endswith(GRAPHED) == graphed
+    ]
     if "error" in ours or not peers:
         return ""
     behind = []
