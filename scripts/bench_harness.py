@@ -235,7 +235,12 @@ def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
         row: dict = {"op": case.op, "shape": case.shape, "impl": impl.name}
         try:
             fwd, fwd_bwd = impl.make()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             fwd_bwd()  # compile / autotune first
+            torch.cuda.synchronize()
+            # a first call at a new shape: Triton's builds and the launch-geometry timing
+            row["first_call_s"] = time.perf_counter() - start
             live.append((row, fwd, fwd_bwd))
         except Exception as exc:  # a peer that cannot run this case is reported, not fatal
             row["error"] = _error(exc)

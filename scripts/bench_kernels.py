@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['fwd_bwd_ms']:.3f} ms (wall {r['fwd_bwd_wall_ms']:.3f}), "
                 f"extra {r['extra_mib']:.0f} MiB"
             )
-            print(f"{case.op} | {case.shape} | {r['impl']}: {t}", flush=True)
+            first = f", first call {r['first_call_s']:.2f} s" if "first_call_s" in r else ""
+            print(f"{case.op} | {case.shape} | {r['impl']}: {t}{first}", flush=True)
         if args.out:  # after every case, so a run cut short still leaves its results
             write_results(args.out, env, ceil, rows, notes, header, format_table(rows, ceil))
     table = format_table(rows, ceil)
