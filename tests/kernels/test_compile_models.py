@@ -220,3 +220,29 @@ def test_compiled_op_holds_no_more_than_eager(kt, op):
     eager = eager_held(fn, *inputs)
     compiled = compiled_held(fn, *inputs)
     assert 0 < compiled <= eager, (compiled, eager)
+
+
+def test_trainer_torch_compile_runs_one_graph(local_kernels, tmp_path):
+    """transformers' Trainer with ``torch_compile=True`` compiles the bound model as users get
+    it (num_items_in_batch reaches the fused loss): one graph over its steps, no graph break."""
+    from torch._dynamo.utils import counters
+    from transformers import Trainer, TrainingArguments
+
+    model, _, _ = bound_pair("llama", "sdpa")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(8):
+        ids = torch.randint(0, model.config.vocab_size, (12,), generator=gen)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, use_cpu=True,
+        torch_compile=True, torch_compile_backend="aot_eager", report_to=[],
+        save_strategy="no", logging_steps=1, dataloader_num_workers=0,
+    )  # fmt: skip
+    counters.clear()
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
