@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -306,6 +307,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=18)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--setup-timeout", type=float, default=900.0, help="seconds per setup")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds for the whole run: each setup's timeout is cut to what is left, and "
+        "setups that no longer fit are reported as not run (results are written as they come)",
+    )
     p.add_argument("--heartbeat", type=float, default=30.0)
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU (plumbing test)")
     p.add_argument("--out", type=Path)
@@ -319,6 +326,14 @@ def main() -> int:
         emit_result(child(args))
         return 0
     return run_all(args)
+
+
+class _Terminated(Exception):
+    """SIGTERM: stop, kill the running setup's process, keep what was measured."""
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise _Terminated
 
 
 def run_all(args) -> int:
@@ -350,16 +365,29 @@ def run_all(args) -> int:
         return text
 
     env = dict(os.environ, LOCAL_KERNELS=f"kernels-lab/training={VARIANT}")
+    started = time.monotonic()
+    signal.signal(signal.SIGTERM, _on_sigterm)  # an outer `timeout`: the child is killed too
     for run in runs:
         for setup in setups:
             if setup == "liger" and not have_liger:
                 rows.append({"setup": setup, "run": run, "error": "liger_kernel not importable"})
                 continue
+            timeout = args.setup_timeout
+            if args.deadline is not None:
+                timeout = min(timeout, args.deadline - (time.monotonic() - started) - 10)
+                if timeout < 60:
+                    rows.append({"setup": setup, "run": run, "error": "not run: --deadline"})
+                    continue
             cmd = [sys.executable, __file__, "--child", setup, "--run", run,
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--heartbeat", str(args.heartbeat)] + (["--smoke"] if args.smoke else [])  # fmt: skip
             log(f"{run} / {setup}: start")
-            row = run_setup(setup, cmd, env, args.setup_timeout)
+            try:
+                row = run_setup(setup, cmd, env, timeout)
+            except _Terminated:
+                rows.append({"setup": setup, "run": run, "error": "terminated while it ran"})
+                print(write())
+                return 1
             row.setdefault("run", run)
             rows.append(row)
             log(f"{run} / {setup}: " + (row.get("error") or f"{row['tokens_per_s']:.0f} tokens/s"))
