@@ -27,6 +27,19 @@ def set_dtype(dtype: torch.dtype) -> None:
     DT, B2 = dtype, dtype.itemsize
 
 
+# bench_kernels --cudagraphs: every case also gets "<impl> reduce-overhead" rows for torch's own
+# implementations and ours, each the op inside torch.compile(mode="reduce-overhead"): CUDA graphs
+# replay the launches without the host work around them, for host-bound shapes.
+CUDAGRAPHS = False
+CUDAGRAPH_SUFFIX = " reduce-overhead"
+
+
+def set_cudagraphs(on: bool) -> None:
+    """Add the reduce-overhead rows to the cases built from now on."""
+    global CUDAGRAPHS
+    CUDAGRAPHS = on
+
+
 def _liger():
     """liger_kernel's modules, or the ImportError text (reported per case, not fatal)."""
     try:
@@ -47,15 +60,21 @@ def _liger():
     )
 
 
-def _closures(fn: Callable[[], object], leaves: list[torch.Tensor]):
-    """fwd() under no_grad, and fwd_bwd() = forward + autograd.grad w.r.t. `leaves`."""
+def _closures(fn: Callable[[], object], leaves: list[torch.Tensor], graphs: bool = False):
+    """fwd() under no_grad, and fwd_bwd() = forward + autograd.grad w.r.t. `leaves`. With
+    `graphs` (fn compiled with CUDA graphs), each call starts a new graph step, as a training
+    loop does once per step: a replay may reuse the previous call's output memory."""
     grads: dict[str, object] = {}
 
     def fwd():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             return fn()
 
     def fwd_bwd():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         out = fn()
         outs = out if isinstance(out, tuple) else (out,)
         if "g" not in grads:  # one upstream gradient per output, laid out like the output
@@ -72,10 +91,12 @@ def _compiled(fn):
 def _impls(make_eager, make_ours, make_liger=None, extra: dict | None = None) -> list[Impl]:
     """eager, torch.compile(eager), Liger, ours; each make_* returns (callable, leaves)."""
 
-    def wrap(builder, compile_it=False):
+    def wrap(builder, compile_it=False, graphs=False):
         def make():
             fn, leaves = builder()
-            return _closures(_compiled(fn) if compile_it else fn, leaves)
+            if graphs:
+                fn = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+            return _closures(_compiled(fn) if compile_it else fn, leaves, graphs)
 
         return make
 
@@ -85,6 +106,9 @@ def _impls(make_eager, make_ours, make_liger=None, extra: dict | None = None) ->
     if make_liger is not None:
         impls.append(Impl("liger", wrap(make_liger)))
     impls.append(Impl("ours", wrap(make_ours)))
+    if CUDAGRAPHS:  # torch's implementations (fused by Inductor) and ours, under CUDA graphs
+        for name, builder in (("eager", make_eager), *(extra or {}).items(), ("ours", make_ours)):
+            impls.append(Impl(name + CUDAGRAPH_SUFFIX, wrap(builder, graphs=True)))
     return impls
 
 

@@ -235,7 +235,12 @@ def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
         row: dict = {"op": case.op, "shape": case.shape, "impl": impl.name}
         try:
             fwd, fwd_bwd = impl.make()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             fwd_bwd()  # compile / autotune first
+            torch.cuda.synchronize()
+            # a first call at a new shape: Triton's builds and the launch-geometry timing
+            row["first_call_s"] = time.perf_counter() - start
             live.append((row, fwd, fwd_bwd))
         except Exception as exc:  # a peer that cannot run this case is reported, not fatal
             row["error"] = _error(exc)
@@ -294,11 +299,22 @@ def rate_cell(row: dict) -> str:
 TIE = 1.03  # within 3 % of the best peer counts as a tie
 
 
+GRAPHED = " reduce-overhead"  # bench_cases_elementwise's suffix for rows under CUDA graphs
+
+
 def verdict(group: list[dict], ours: dict) -> str:
     """One of our rows ("ours", or a variant named "ours ...") against the best peer of its case
     (our variants are not peers): "ok", or what is behind (device / wall time by more than 3 %,
-    or more extra memory than Liger)."""
-    peers = [r for r in group if not r["impl"].startswith("ours") and "error" not in r]
+    or more extra memory than Liger). A row under CUDA graphs is compared with the peers
+    under CUDA graphs, any other row with the peers without."""
+    graphed = ours["impl"].endswith(GRAPHED)
+    peers = [
+        r
+        for r in group
+        if not r["impl"].startswith("ours")
+        and "error" not in r
+        and r["impl"].endswith(GRAPHED) == graphed
+    ]
     if "error" in ours or not peers:
         return ""
     behind = []

@@ -8,6 +8,12 @@ and kernels.png.
     python scripts/bench_kernels.py --ops rmsnorm,rope --out docs/benchmarks
     python scripts/bench_kernels.py --sweep norms --out docs/benchmarks/sweeps/norms
 
+``--cudagraphs`` adds rows for torch's implementations and ours inside
+``torch.compile(mode="reduce-overhead")`` (CUDA graphs), compared with each other, so the
+host-bound norm and RoPE shapes are timed without the host work per launch:
+
+    python scripts/bench_kernels.py --sweep norms --cudagraphs --out DIR
+
 ``--sweep NAME`` runs one of the shape sweeps of scripts/bench_sweeps.py instead of the anchor
 cases (``--op`` then filters its cases too). Every row has device and wall time side by side and
 the extra peak memory; the table's last column says where ours is behind the best peer.
@@ -153,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the inputs' dtype (bf16 unless set); other dtypes label every shape with it",
     )
     parser.add_argument(
+        "--cudagraphs",
+        action="store_true",
+        help="also time torch's implementations and ours inside torch.compile(mode=\"reduce-"
+        'overhead") (CUDA graphs: no host work per launch), rows "<impl> reduce-overhead"',
+    )
+    parser.add_argument(
         "--shapes",
         default="",
         help="comma-separated substrings: only the cases whose shape contains one, e.g. V50257",
@@ -175,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
 
         for module in (bench_cases_elementwise, bench_cases_losses):
             module.set_dtype(getattr(torch, DTYPES[args.dtype]))
+    if args.cudagraphs:
+        import bench_cases_elementwise
+
+        bench_cases_elementwise.set_cudagraphs(True)
     ops = [o.strip().lower().replace(" ", "") for o in args.ops.split(",") if o.strip()]
     if args.sweep:
         from bench_sweeps import SWEEPS
@@ -207,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['fwd_bwd_ms']:.3f} ms (wall {r['fwd_bwd_wall_ms']:.3f}), "
                 f"extra {r['extra_mib']:.0f} MiB"
             )
-            print(f"{case.op} | {case.shape} | {r['impl']}: {t}", flush=True)
+            first = f", first call {r['first_call_s']:.2f} s" if "first_call_s" in r else ""
+            print(f"{case.op} | {case.shape} | {r['impl']}: {t}{first}", flush=True)
         if args.out:  # after every case, so a run cut short still leaves its results
             write_results(args.out, env, ceil, rows, notes, header, format_table(rows, ceil))
     table = format_table(rows, ceil)

@@ -51,8 +51,8 @@ REPO = "kernels-lab/training"
 # Qwen3ForCausalLM carry no layer name in transformers; `mark_fused_layers` gives them one.
 # MemoryEfficientRMSNorm keeps the norm's output (which q/k/v and the MLP save anyway) instead of
 # its input; "ours-rmsnorm" runs the plain RMSNorm layer to show what that saves; "ours-compile"
-# also wraps the kernelized model in torch.compile (the kernels are custom ops inside the graph;
-# the fused loss runs outside it).
+# also wraps the kernelized model in torch.compile (the kernels, the fused loss included, are
+# custom ops inside the graph; scripts/bench_compile.py runs every compile mode).
 KERNEL_MAPPING = {
     "RMSNorm": f"{REPO}:MemoryEfficientRMSNorm",
     "rotary_pos_emb": f"{REPO}:rotary_pos_emb",

@@ -273,3 +273,89 @@ def test_backward_reuses_the_forward_check_after_the_caller_drops_cos_sin(
     )
     assert len(calls) == 1 and key not in rope_mod._CHECKS  # kept through backward, then dropped
     assert q.grad is not None and k.grad is not None
+
+
+# Liger's test shape that took minutes to compile (73 q and 213 k heads, head_dim 92), at a
+# few tokens: wider than one MAX_TILE head tile, so `_rope_heads_kernel` takes it.
+WIDE = (2, 3, 73, 213, 92)
+
+
+@pytest.mark.parametrize("cos_batch", ["B", "1"])
+@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_many_heads_take_the_tiled_kernel(kt, dtype, layout, cos_batch):
+    rope_mod = sys.modules[kt.__name__ + ".rope"]
+    b, t, hq, hk, d = WIDE
+    assert rope_mod.head_tiles(hq, hk, d) == rope_mod.MAX_TILE // 64
+    q, k, cos, sin = make_inputs(b, t, hq, hk, d, cos_batch, dtype, layout)
+    plan = rope_mod._rotate_plan(q, k, cos, sin, 1, False, (None, None))
+    assert plan.kernel is rope_mod._rope_heads_kernel
+    qo, ko = kt.apply_rotary_pos_emb(q, k, cos, sin)
+    check(q, k, cos, sin, qo, ko, 1, dtype)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_tiled_kernel_honours_every_halves_answer(rope_mod, backward):
+    """The tiled kernel reads the second halves of cos/sin as `_rope_kernel` does: skipped
+    (True), read (False, None) or decided by the device flag."""
+    q, k, cos, sin = make_inputs(1, 3, 40, 33, 8, "B", torch.float32, "transposed")
+    distinct = cos.clone(), sin.clone()
+    distinct[0][..., 4:] += 0.5
+    distinct[1][..., 4:] -= 0.5
+    flag = torch.ones(1, dtype=torch.int32)
+    cases = [((cos, sin), a) for a in (True, False, None, flag, 1 - flag)]
+    cases += [(distinct, a) for a in (False, None, 1 - flag)]
+    small = 16  # heads x 4 > 16: tiles of 4 heads, 10 and 9 tiles
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rope_mod, "MAX_TILE", small)
+        for (c, s), answer in cases:
+            q64, k64 = leaf64(q), leaf64(k)
+            qr, kr = rope64(q64, k64, c.double(), s.double())
+            if backward:
+                qr, kr = torch.autograd.grad((qr, kr), (q64, k64), (q.double(), k.double()))
+            plan = rope_mod._RotatePlan(q, k, c, s, 1, backward, (None, None))
+            assert plan.kernel is rope_mod._rope_heads_kernel
+            assert plan.constexprs["BLOCK_H"] == 4
+            qo, ko = plan(q.detach(), k.detach(), c, s, answer, (None, None))
+            assert_close(qo, qr, torch.float32, f"q, answer {answer}")
+            assert_close(ko, kr, torch.float32, f"k, answer {answer}")
+    rope_mod.rope_candidates.cache_clear()  # computed under the patched MAX_TILE
+
+
+def test_model_shapes_keep_the_one_tile_kernel(rope_mod):
+    """Every measured model's and sweep shape's heads fit one tile: its kernel and tuned configs
+    are unchanged. (q heads, k heads, head_dim): Qwen3-0.6B, Llama-3-8B, Qwen3-30B-A3B,
+    Gemma-2-2B, Gemma-3-1B, Phi-3-mini, the RoPE sweep's MHA, head_dim 64 and 64-head shapes."""
+    shapes = ((16, 8, 128), (32, 8, 128), (32, 4, 128), (8, 4, 256), (4, 1, 256), (32, 32, 96),
+              (32, 32, 128), (16, 16, 64), (64, 8, 128))  # fmt: skip
+    for shape in shapes:
+        assert rope_mod.head_tiles(*shape) is None, shape
+        assert len(rope_mod.rope_candidates(*shape)) == 6, shape
+    assert rope_mod.rope_candidates(*WIDE[2:]) == [
+        {"BLOCK_T": 1, "num_warps": 4},
+        {"BLOCK_T": 1, "num_warps": 8},
+    ]
+    # Ragged tiles (41 of 64 rows, half head_dim 20): no candidate over RAGGED_VALUES per thread
+    ragged = rope_mod.rope_candidates(41, 41, 40)
+    assert {"BLOCK_T": 1, "num_warps": 1} not in ragged and len(ragged) == 5
+
+
+@pytest.mark.parametrize("layout", ["transposed", "contiguous"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_op_torch_path_rotates_right(rope_mod, monkeypatch, backward, layout):
+    """The custom op (what torch.compile calls) on the torch formula, where Triton does not run:
+    the rotation and its transpose, outputs laid out as the fake registration says."""
+    q, k, cos, sin = make_inputs(2, 5, 4, 2, 24, "B", torch.float32, layout)
+    distinct = cos.clone(), sin.clone()
+    distinct[0][..., 12:] += 0.5
+    distinct[1][..., 12:] -= 0.5
+    monkeypatch.setattr(rope_mod, "use_triton", lambda t: False)
+    for c, s in ((cos, sin), distinct):
+        q64, k64 = leaf64(q), leaf64(k)
+        qr, kr = rope64(q64, k64, c.double(), s.double())
+        if backward:
+            qr, kr = torch.autograd.grad((qr, kr), (q64, k64), (q.double(), k.double()))
+        qo, ko = rope_mod.rope(q.detach(), k.detach(), c, s, 1, backward)
+        assert qo.stride() == rope_mod._out_like(q).stride()
+        assert_close(qo, qr, torch.float32, "q")
+        assert_close(ko, kr, torch.float32, "k")

@@ -29,13 +29,13 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import PlanCache, cdiv, fast_launch, next_pow2, sm_count, use_triton
+from ._common import PlanCache, cdiv, fast_launch, next_pow2, op_name, sm_count, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -1350,8 +1350,43 @@ def reduce_with_options(
     return total, Extras(z, acc, pred)
 
 
+def _forward(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+             reduction, num_items, grad, weight, want):  # fmt: skip
+    """The reduced loss and the extras of `logits` (the gradient written into `grad` when it is
+    given), as `CrossEntropyFunction` and the custom op both compute them."""
+    want_z, want_acc, want_pred = want
+    w = None if weight is None else weight.detach().float().contiguous()
+    gscale = grad_scale_tensor(reduction, target, ignore_index, num_items, w)
+    # The z-loss is unweighted (Liger's choice): with weights its mean has its own count.
+    zscale = None
+    if w is not None:
+        zscale = grad_scale_tensor(reduction, target, ignore_index, num_items)
+    pred = None
+    if want_acc or want_pred:
+        pred = torch.empty(target.shape, dtype=torch.int64, device=target.device)
+    loss, lse = ce_rows(
+        logits,
+        target,
+        grad,
+        gscale,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        weight=w,
+        z_scale=zscale,
+        pred=pred,
+    )
+    return reduce_with_options(
+        loss, lse, target, pred, reduction=reduction, gscale=gscale, zscale=zscale,
+        lse_square_scale=lse_square_scale, ignore_index=ignore_index, want_z=want_z,
+        want_acc=want_acc,
+    )  # fmt: skip
+
+
 class CrossEntropyFunction(torch.autograd.Function):
-    """Autograd wrapper: the forward writes the gradient; the backward only rescales it.
+    """Autograd wrapper (the eager path): the forward writes the gradient; the backward only
+    rescales it.
 
     Returns (loss, z_loss, token_accuracy, predicted_tokens), the last three empty unless asked
     for and never differentiable.
@@ -1373,43 +1408,17 @@ class CrossEntropyFunction(torch.autograd.Function):
         weight: torch.Tensor | None,
         want: tuple[bool, bool, bool],
     ):
-        want_z, want_acc, want_pred = want
-        w = None if weight is None else weight.detach().float().contiguous()
-        gscale = grad_scale_tensor(reduction, target, ignore_index, num_items, w)
-        # The z-loss is unweighted (Liger's choice): with weights its mean has its own count.
-        zscale = None
-        if w is not None:
-            zscale = grad_scale_tensor(reduction, target, ignore_index, num_items)
-        pred = None
-        if want_acc or want_pred:
-            pred = torch.empty(target.shape, dtype=torch.int64, device=target.device)
         grad = None
         if need_grad:
             grad = logits if inplace else torch.empty_like(logits)
-        loss, lse = ce_rows(
-            logits,
-            target,
-            grad,
-            gscale,
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            lse_square_scale=lse_square_scale,
-            softcap=softcap,
-            weight=w,
-            z_scale=zscale,
-            pred=pred,
-        )
+        total, extras = _forward(logits, target, ignore_index, label_smoothing, lse_square_scale,
+                                 softcap, reduction, num_items, grad, weight, want)  # fmt: skip
         if grad is not None and inplace:
             # Anyone who saved these logits for their own backward now gets autograd's
             # "modified by an inplace operation" error instead of silently wrong gradients.
             torch.autograd.graph.increment_version(logits)
         ctx.grad = grad
-        total, extras = reduce_with_options(
-            loss, lse, target, pred, reduction=reduction, gscale=gscale, zscale=zscale,
-            lse_square_scale=lse_square_scale, ignore_index=ignore_index, want_z=want_z,
-            want_acc=want_acc,
-        )  # fmt: skip
-        empty = loss.new_empty(0)
+        empty = total.new_empty(0)
         outs = [t if t is not None else empty for t in extras]
         ctx.mark_non_differentiable(*outs)
         # No zero-filled gradients for the extras (never differentiable) on every backward.
@@ -1423,6 +1432,70 @@ class CrossEntropyFunction(torch.autograd.Function):
             return (None,) * 12
         scale_rows_(grad, grad_out)
         return (grad,) + (None,) * 11
+
+
+# --- torch.library op: what torch.compile sees ------------------------------------------------
+#
+# One opaque forward returning the loss, the extras and the gradient (a new buffer: under
+# torch.compile the graph owns the logits, so `inplace` does not apply); the gradient is saved
+# and the backward scales it by grad_output with torch ops Inductor fuses. A tensor of size 0
+# stands for an output not asked for.
+
+
+@torch.library.custom_op(op_name("ce_fwd"), mutates_args=())
+def ce_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses typing.Optional
+    num_items: Optional[torch.Tensor],  # noqa: UP045
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: Optional[float],  # noqa: UP045
+    reduction: str,
+    want_z: bool,
+    want_acc: bool,
+    want_pred: bool,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad = torch.empty_like(logits) if need_grad else None
+    total, extras = _forward(logits, target, ignore_index, label_smoothing, lse_square_scale,
+                             softcap, reduction, num_items, grad, weight,
+                             (want_z, want_acc, want_pred))  # fmt: skip
+    outs = [total.new_empty(0) if t is None else t for t in (*extras, grad)]
+    return (total, *outs)
+
+
+@ce_fwd.register_fake
+def _(logits, target, weight, num_items, ignore_index, label_smoothing, lse_square_scale,
+      softcap, reduction, want_z, want_acc, want_pred, need_grad):  # fmt: skip
+    n = logits.shape[0]
+    f32 = dict(dtype=torch.float32)
+    total = logits.new_empty((n,) if reduction == "none" else (), **f32)
+    nothing = lambda: logits.new_empty(0, **f32)  # noqa: E731
+    z = total.new_empty(total.shape) if want_z else nothing()
+    acc = total.new_empty(total.shape) if want_acc else nothing()
+    pred = logits.new_empty(n, dtype=torch.int64) if want_acc or want_pred else nothing()
+    grad = logits.new_empty(logits.shape) if need_grad else nothing()
+    return total, z, acc, pred, grad
+
+
+def _op_setup(ctx, inputs, output):
+    ctx.need_grad = inputs[-1]
+    ctx.save_for_backward(output[4])
+
+
+def _op_backward(ctx, g_total, *_unused):
+    if not ctx.need_grad:
+        return (None,) * 13
+    (grad,) = ctx.saved_tensors
+    g = g_total.float()
+    if g.dim():  # reduction="none": one factor per row
+        g = g[:, None]
+    return ((grad.float() * g).to(grad.dtype),) + (None,) * 12
+
+
+ce_fwd.register_autograd(_op_backward, setup_context=_op_setup)
 
 
 def cross_entropy(
@@ -1468,22 +1541,33 @@ def cross_entropy(
         check_target_range(target, vocab, ignore_index)
     rows = logits.reshape(-1, vocab).contiguous()  # a view unless the rows are strided
     want = (return_z_loss, return_token_accuracy, return_predicted_tokens)
-    loss, z, acc, pred = CrossEntropyFunction.apply(
-        rows,
-        target.reshape(-1).contiguous(),
-        ignore_index,
-        float(label_smoothing),
-        float(lse_square_scale),
-        softcap,
-        reduction,
-        num_items,
-        inplace,
-        # Not ctx.needs_input_grad: that stays True under torch.no_grad(), and the logits
-        # must not be consumed when no backward will come.
-        torch.is_grad_enabled() and logits.requires_grad,
-        weight,
-        want,
-    )
+    # Not ctx.needs_input_grad: that stays True under torch.no_grad(), and the logits must not
+    # be consumed when no backward will come.
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    if torch.compiler.is_compiling():
+        if num_items is not None and not isinstance(num_items, torch.Tensor):
+            # A number becomes a 0-d tensor in the graph, so a new value is no new graph.
+            num_items = torch.full((), num_items, dtype=torch.float32, device=logits.device)
+        loss, z, acc, pred, _ = ce_fwd(
+            rows, target.reshape(-1).contiguous(), weight, num_items, ignore_index,
+            float(label_smoothing), float(lse_square_scale),
+            None if softcap is None else float(softcap), reduction, *want, need_grad,
+        )  # fmt: skip
+    else:
+        loss, z, acc, pred = CrossEntropyFunction.apply(
+            rows,
+            target.reshape(-1).contiguous(),
+            ignore_index,
+            float(label_smoothing),
+            float(lse_square_scale),
+            softcap,
+            reduction,
+            num_items,
+            inplace,
+            need_grad,
+            weight,
+            want,
+        )
     if reduction == "none":
         loss = loss.view(target.shape)
         acc = acc.view(target.shape) if return_token_accuracy else acc

@@ -27,9 +27,11 @@ summed, so that case defers all gradient work to the backward, where the logits 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from ._common import op_name
 from .cross_entropy import (
     CrossEntropyOutput,
     Scratch,
@@ -227,8 +229,46 @@ def _chunked(
     return loss, dx, dw, db, (lse_all, factor, pred)
 
 
+def _forward(hidden, weight, bias, target, opts: _Options, num_items, need):
+    """The loss (reduced), the extras (z-loss, accuracy, predicted tokens; None where not asked
+    for) and the gradients (d(hidden), d(weight), fp32 d(bias); None where not needed or
+    deferred to the backward), computed as `FusedLinearCrossEntropyFunction` and the custom op
+    both do. Returns (total, extras, grads, deferred)."""
+    cw = opts.class_weight
+    gscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items, cw)
+    zscale = None
+    if cw is not None:  # the z-loss is unweighted: its mean has the row count
+        zscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items)
+    deferred = opts.reduction == "none" and any(need)
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, dx, dw, db, extras = _chunked(
+            hidden, weight, bias, target, opts, gscale, None,
+            (False, False, False) if deferred else need, zscale,
+        )  # fmt: skip
+    lse, factor, pred = extras
+    total, out = reduce_with_options(
+        loss, lse, target, pred, reduction=opts.reduction, gscale=gscale, zscale=zscale,
+        lse_square_scale=opts.lse_square_scale, ignore_index=opts.ignore_index,
+        want_z=opts.want[0], want_acc=opts.want[1], row_factor=factor,
+    )  # fmt: skip
+    return total, out, (dx, dw, db), deferred
+
+
+def _deferred_grads(hidden, weight, bias, target, opts: _Options, grad_rows, need):
+    """reduction="none": (d(hidden), d(weight), fp32 d(bias)) for the per-token upstream
+    gradient `grad_rows`, the logits recomputed chunk by chunk."""
+    ones = torch.ones(1, dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        _, dx, dw, db, _ = _chunked(
+            hidden, weight, bias, target, opts, ones,
+            grad_rows.detach().float().reshape(-1).contiguous(), need,
+        )  # fmt: skip
+    return dx, dw, db
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Autograd wrapper over `_chunked`; see the module docstring for where the work happens.
+    """Autograd wrapper over `_chunked` (the eager path); see the module docstring for where the
+    work happens.
 
     Returns (loss, z_loss, token_accuracy, predicted_tokens), the last three empty unless asked
     for and never differentiable.
@@ -236,35 +276,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, opts: _Options, num_items, need):
-        cw = opts.class_weight
-        gscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items, cw)
-        zscale = None
-        if cw is not None:  # the z-loss is unweighted: its mean has the row count
-            zscale = grad_scale_tensor(opts.reduction, target, opts.ignore_index, num_items)
-        ctx.opts = opts
-        ctx.deferred = opts.reduction == "none" and any(need)
-        device_type = hidden.device.type
-        with torch.autocast(device_type, enabled=False):
-            if ctx.deferred:
-                loss, _, _, _, extras = _chunked(
-                    hidden, weight, bias, target, opts, gscale, None, (False, False, False),
-                    zscale,
-                )  # fmt: skip
-                ctx.save_for_backward(hidden, weight, bias, target)
-                ctx.grads = None
-            else:
-                loss, dx, dw, db, extras = _chunked(
-                    hidden, weight, bias, target, opts, gscale, None, need, zscale
-                )
-                ctx.grads = (dx, dw, db)
+        total, out, grads, deferred = _forward(hidden, weight, bias, target, opts, num_items, need)
+        ctx.opts, ctx.deferred = opts, deferred
+        if deferred:
+            ctx.save_for_backward(hidden, weight, bias, target)
+            ctx.grads = None
+        else:
+            ctx.grads = grads
         ctx.bias_dtype = None if bias is None else bias.dtype
-        lse, factor, pred = extras
-        total, out = reduce_with_options(
-            loss, lse, target, pred, reduction=opts.reduction, gscale=gscale, zscale=zscale,
-            lse_square_scale=opts.lse_square_scale, ignore_index=opts.ignore_index,
-            want_z=opts.want[0], want_acc=opts.want[1], row_factor=factor,
-        )  # fmt: skip
-        empty = loss.new_empty(0)
+        empty = total.new_empty(0)
         outs = [t if t is not None else empty for t in out]
         ctx.mark_non_differentiable(*outs)
         # No zero-filled gradients for the extras (never differentiable) on every backward.
@@ -278,18 +298,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             return (None,) * 7
         if ctx.deferred:
             hidden, weight, bias, target = ctx.saved_tensors
-            ones = torch.ones(1, dtype=torch.float32, device=hidden.device)
-            with torch.autocast(hidden.device.type, enabled=False):
-                _, dx, dw, db, _ = _chunked(
-                    hidden,
-                    weight,
-                    bias,
-                    target,
-                    ctx.opts,
-                    ones,
-                    grad_out.detach().float().reshape(-1).contiguous(),
-                    tuple(ctx.needs_input_grad[:3]),
-                )
+            dx, dw, db = _deferred_grads(
+                hidden, weight, bias, target, ctx.opts, grad_out, tuple(ctx.needs_input_grad[:3])
+            )
             db = None if db is None else db.to(bias.dtype)
             return dx, dw, db, None, None, None, None
         if ctx.grads is None:
@@ -305,6 +316,152 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+# --- torch.library ops: what torch.compile sees -----------------------------------------------
+#
+# One opaque forward that returns the loss, the extras and the gradients it computed (or empty
+# tensors), so AOTAutograd saves exactly what the eager path keeps (d(hidden), d(weight),
+# d(bias); or, deferred, the inputs); the backward scales them by grad_output with plain torch
+# ops that Inductor fuses (and may write over the saved buffer: AOTAutograd donates saved
+# tensors to the backward). Outputs are fresh tensors, never None: a tensor of size 0 stands
+# for "not asked for". Chunk counts and configs are decided inside the op at run time, so
+# nothing here depends on the number of tokens.
+
+
+def _op_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction, chunk_rows,
+                class_weight, accum_fp32, token_scaling, want_z, want_acc, want_pred):  # fmt: skip
+    return _Options(
+        ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+        chunk_rows or None, class_weight, accum_fp32, token_scaling, (want_z, want_acc, want_pred),
+    )  # fmt: skip
+
+
+def _none_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0, dtype=torch.float32) if t is None else t
+
+
+@torch.library.custom_op(op_name("flce_fwd"), mutates_args=())
+def flce_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - torch.library parses typing.Optional
+    target: torch.Tensor,
+    class_weight: Optional[torch.Tensor],  # noqa: UP045
+    num_items: Optional[torch.Tensor],  # noqa: UP045
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: Optional[float],  # noqa: UP045
+    reduction: str,
+    chunk_rows: int,
+    accum_fp32: bool,
+    token_scaling: bool,
+    want_z: bool,
+    want_acc: bool,
+    want_pred: bool,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:  # fmt: skip
+    opts = _op_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction,
+                       chunk_rows, class_weight, accum_fp32, token_scaling, want_z, want_acc,
+                       want_pred)  # fmt: skip
+    need = (need_x, need_w, need_b)
+    total, out, grads, _ = _forward(hidden, weight, bias, target, opts, num_items, need)
+    return (total, *(_none_empty(t, total) for t in (*out, *grads)))
+
+
+@flce_fwd.register_fake
+def _(hidden, weight, bias, target, class_weight, num_items, ignore_index, label_smoothing,
+      lse_square_scale, softcap, reduction, chunk_rows, accum_fp32, token_scaling, want_z,
+      want_acc, want_pred, need_x, need_w, need_b):  # fmt: skip
+    n = hidden.shape[0]
+    f32 = dict(dtype=torch.float32)
+    total = hidden.new_empty((n,) if reduction == "none" else (), **f32)
+    nothing = lambda: hidden.new_empty(0, **f32)  # noqa: E731
+    z = total.new_empty(total.shape) if want_z else nothing()
+    acc = hidden.new_empty((n,) if reduction == "none" else (), **f32) if want_acc else nothing()
+    pred = hidden.new_empty(n, dtype=torch.int64) if want_acc or want_pred else nothing()
+    deferred = reduction == "none" and (need_x or need_w or need_b)
+    dx = hidden.new_empty(hidden.shape) if need_x and not deferred else nothing()
+    dw = weight.new_empty(weight.shape) if need_w and not deferred else nothing()
+    db = hidden.new_empty(weight.shape[0], **f32) if need_b and not deferred else nothing()
+    return total, z, acc, pred, dx, dw, db
+
+
+@torch.library.custom_op(op_name("flce_bwd_deferred"), mutates_args=())
+def flce_bwd_deferred(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045
+    target: torch.Tensor,
+    class_weight: Optional[torch.Tensor],  # noqa: UP045
+    grad_rows: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: Optional[float],  # noqa: UP045
+    chunk_rows: int,
+    token_scaling: bool,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    opts = _op_options(ignore_index, label_smoothing, lse_square_scale, softcap, "none",
+                       chunk_rows, class_weight, False, token_scaling, False, False, False)  # fmt: skip
+    grads = _deferred_grads(hidden, weight, bias, target, opts, grad_rows, (need_x, need_w, need_b))
+    return tuple(_none_empty(t, grad_rows) for t in grads)
+
+
+@flce_bwd_deferred.register_fake
+def _(hidden, weight, bias, target, class_weight, grad_rows, ignore_index, label_smoothing,
+      lse_square_scale, softcap, chunk_rows, token_scaling, need_x, need_w, need_b):  # fmt: skip
+    nothing = lambda: hidden.new_empty(0, dtype=torch.float32)  # noqa: E731
+    return (
+        hidden.new_empty(hidden.shape) if need_x else nothing(),
+        weight.new_empty(weight.shape) if need_w else nothing(),
+        hidden.new_empty(weight.shape[0], dtype=torch.float32) if need_b else nothing(),
+    )
+
+
+def _op_setup(ctx, inputs, output):
+    hidden, weight, bias, target, class_weight = inputs[:5]
+    reduction, need = inputs[10], inputs[17:20]
+    ctx.deferred = reduction == "none" and any(need)
+    ctx.need = need
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    if ctx.deferred:
+        # accum_fp32 is not passed on: a deferred backward sums d(weight) as eager's does
+        ctx.args = (*inputs[6:10], inputs[11], inputs[13])
+        ctx.save_for_backward(hidden, weight, bias, target, class_weight)
+    else:
+        ctx.save_for_backward(*output[4:7])
+
+
+def _scaled(grad: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad * g in fp32, rounded once to `dtype` (as the eager path's scale kernel)."""
+    return (grad.float() * g.float()).to(dtype)
+
+
+def _op_backward(ctx, g_total, *_unused):
+    need_x, need_w, need_b = ctx.need
+    if ctx.deferred:
+        hidden, weight, bias, target, class_weight = ctx.saved_tensors
+        dx, dw, db = flce_bwd_deferred(
+            hidden, weight, bias, target, class_weight, g_total, *ctx.args, need_x, need_w, need_b
+        )
+    else:
+        dx, dw, db = ctx.saved_tensors
+        dx = _scaled(dx, g_total, dx.dtype) if need_x else None
+        dw = _scaled(dw, g_total, dw.dtype) if need_w else None
+        db = db * g_total.float() if need_b else None
+    db = db.to(ctx.bias_dtype) if need_b else None
+    return (dx if need_x else None, dw if need_w else None, db) + (None,) * 17
+
+
+flce_fwd.register_autograd(_op_backward, setup_context=_op_setup)
+
+
 def _gather_dtensor(t: torch.Tensor | None) -> torch.Tensor | None:
     """A DTensor (e.g. an FSDP2 shard read outside its module's hooks) as its full local value.
 
@@ -318,7 +475,6 @@ def _gather_dtensor(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.full_tensor(grad_placements=[Partial()] * t.device_mesh.ndim)
 
 
-@torch.compiler.disable
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -378,6 +534,17 @@ def fused_linear_cross_entropy(
         check_target_range(target, weight.shape[0], ignore_index)
     rows = hidden.reshape(-1, hidden.shape[-1])
     want = (return_z_loss, return_token_accuracy, return_predicted_tokens)
+    # Not ctx.needs_input_grad, which stays True under torch.no_grad().
+    need = tuple(
+        torch.is_grad_enabled() and t is not None and t.requires_grad for t in (rows, weight, bias)
+    )
+    if torch.compiler.is_compiling():
+        loss, z, acc, pred = _compiled_call(
+            rows, weight, bias, target, class_weight, num_items, ignore_index, label_smoothing,
+            lse_square_scale, softcap, reduction, chunk_rows, accum_dtype, use_token_scaling,
+            want, need,
+        )  # fmt: skip
+        return _shaped(loss, z, acc, pred, target.shape, reduction, want)
     opts = _Options(
         ignore_index,
         float(label_smoothing),
@@ -397,20 +564,51 @@ def fused_linear_cross_entropy(
         target.reshape(-1).contiguous(),
         opts,
         num_items,
-        # Not ctx.needs_input_grad, which stays True under torch.no_grad().
-        tuple(
-            torch.is_grad_enabled() and t is not None and t.requires_grad
-            for t in (rows, weight, bias)
-        ),
+        need,
     )
+    return _shaped(loss, z, acc, pred, target.shape, reduction, want)
+
+
+def _compiled_call(rows, weight, bias, target, class_weight, num_items, ignore_index,
+                   label_smoothing, lse_square_scale, softcap, reduction, chunk_rows, accum_dtype,
+                   token_scaling, want, need):  # fmt: skip
+    """The custom op's call (under torch.compile): (loss, z, accuracy, predicted tokens)."""
+    if num_items is not None and not isinstance(num_items, torch.Tensor):
+        # A number becomes a 0-d tensor in the graph, so a new value is no new graph.
+        num_items = torch.full((), num_items, dtype=torch.float32, device=rows.device)
+    out = flce_fwd(
+        rows.contiguous(),
+        weight.contiguous(),
+        bias,
+        target.reshape(-1).contiguous(),
+        None if class_weight is None else class_weight.detach().float().contiguous(),
+        num_items,
+        ignore_index,
+        float(label_smoothing),
+        float(lse_square_scale),
+        None if softcap is None else float(softcap),
+        reduction,
+        chunk_rows or 0,
+        accum_dtype == torch.float32 and weight.dtype != torch.float32,
+        token_scaling,
+        *want,
+        *need,
+    )
+    return out[:4]
+
+
+def _shaped(loss, z, acc, pred, shape, reduction: str, want) -> torch.Tensor | CrossEntropyOutput:
+    """The loss alone, or the `CrossEntropyOutput` the ``return_*`` flags ask for, in `shape`
+    (the target's) where the reduction keeps one value per token."""
+    return_z_loss, return_token_accuracy, return_predicted_tokens = want
     if reduction == "none":
-        loss = loss.view(target.shape)
+        loss = loss.view(shape)
     if not any(want):
         return loss
     shaped = reduction == "none"
     return CrossEntropyOutput(
         loss,
-        (z.view(target.shape) if shaped else z) if return_z_loss else None,
-        (acc.view(target.shape) if shaped else acc) if return_token_accuracy else None,
-        pred.view(target.shape) if return_predicted_tokens else None,
+        (z.view(shape) if shaped else z) if return_z_loss else None,
+        (acc.view(shape) if shaped else acc) if return_token_accuracy else None,
+        pred.view(shape) if return_predicted_tokens else None,
     )

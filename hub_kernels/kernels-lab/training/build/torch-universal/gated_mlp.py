@@ -23,71 +23,168 @@ from __future__ import annotations
 
 import torch
 
-from ._common import has_hooks
+from ._common import has_hooks, op_name
 from .swiglu import GELU_ERF, GELU_TANH, SILU, _glu_backward_any, _glu_forward_any, graph_is_freed
 
 __all__ = ["GELU_ERF", "GELU_TANH", "SILU", "GatedMLPFunction", "gated_mlp"]
 
 
+def _forward(x, w_gate, w_up, w_down, act):
+    """(the MLP's output, the [tokens, 2I] gate | up buffer the backward reads)."""
+    inter = w_gate.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    gate_up = x2.new_empty(x2.shape[0], 2 * inter)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    torch.mm(x2, w_gate.t(), out=gate)
+    torch.mm(x2, w_up.t(), out=up)
+    h = _glu_forward_any(gate, up, act)
+    # matmul of the [.., inter] view makes a fresh tensor, not a view: callers may add to
+    # the MLP's output in place (Llama 4's shared expert does)
+    return torch.matmul(h.view(*x.shape[:-1], inter), w_down.t()), gate_up
+
+
+def _backward(dy, x, gate_up, w_gate, w_up, w_down, act, need, overwrite: bool):
+    """(dx, d[W_gate; W_up] as one [2I, H] tensor, d(W_down)), None where `need` (x, the two
+    weights, down) says no. With `overwrite`, the gradients of gate and up go over gate_up."""
+    need_x, need_w, need_h = need
+    inter = w_gate.shape[0]
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dh = dy2 @ w_down
+    d_gate_up = gate_up if overwrite else torch.empty_like(gate_up)
+    d_gate, d_up = d_gate_up[:, :inter], d_gate_up[:, inter:]
+    # One pass: d(gate), d(up), and h = act(gate) * up recomputed into dh's own buffer
+    # (each element of dh is read before h overwrites it), for down_proj's weight gradient.
+    # Each element of gate and up is read before its gradient overwrites it, by one program.
+    _glu_backward_any(dh, gate, up, act, out=(d_gate, d_up), product=dh if need_h else None)
+    if overwrite:
+        torch.autograd.graph.increment_version(gate_up)
+    d_down = (dy2.t() @ dh).to(w_down.dtype) if need_h else None
+    del dh
+    dx = None
+    if need_x:
+        dx = d_gate @ w_gate
+        dx.addmm_(d_up, w_up)  # accumulated by the matmul itself (beta = 1)
+        dx = dx.view(x.shape)
+    dw = (d_gate_up.t() @ x.reshape(-1, x.shape[-1])).to(w_gate.dtype) if need_w else None
+    return dx, dw, d_down
+
+
 class GatedMLPFunction(torch.autograd.Function):
+    """The eager path: saves x and gate_up; the backward writes over gate_up (see above)."""
+
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, act):
-        inter = w_gate.shape[0]
-        x2 = x.reshape(-1, x.shape[-1])
-        gate_up = x2.new_empty(x2.shape[0], 2 * inter)
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        torch.mm(x2, w_gate.t(), out=gate)
-        torch.mm(x2, w_up.t(), out=up)
-        h = _glu_forward_any(gate, up, act)
+        y, gate_up = _forward(x, w_gate, w_up, w_down, act)
         ctx.save_for_backward(x, gate_up, w_gate, w_up, w_down)
         ctx.act = act
-        # matmul of the [.., inter] view makes a fresh tensor, not a view: callers may add to
-        # the MLP's output in place (Llama 4's shared expert does)
-        return torch.matmul(h.view(*x.shape[:-1], inter), w_down.t())
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, gate_up, w_gate, w_up, w_down = ctx.saved_tensors
+        g = ctx.needs_input_grad
+        need = (g[0], g[1] or g[2], g[3])
+        dx, dw, d_down = _backward(
+            dy, x, gate_up, w_gate, w_up, w_down, ctx.act, need, graph_is_freed()
+        )
         inter = w_gate.shape[0]
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dh = dy2 @ w_down
-        overwrite = graph_is_freed()
-        d_gate_up = gate_up if overwrite else torch.empty_like(gate_up)
-        d_gate, d_up = d_gate_up[:, :inter], d_gate_up[:, inter:]
-        # One pass: d(gate), d(up), and h = act(gate) * up recomputed into dh's own buffer
-        # (each element of dh is read before h overwrites it), for down_proj's weight gradient.
-        need_h = ctx.needs_input_grad[3]
-        # Each element of gate and up is read before its gradient overwrites it, by one program.
-        _glu_backward_any(dh, gate, up, ctx.act, out=(d_gate, d_up), product=dh if need_h else None)
-        if overwrite:
-            torch.autograd.graph.increment_version(gate_up)
-        d_down = (dy2.t() @ dh).to(w_down.dtype) if need_h else None
-        del dh
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = d_gate @ w_gate
-            dx.addmm_(d_up, w_up)  # accumulated by the matmul itself (beta = 1)
-            dx = dx.view(x.shape)
-        dw_gate = dw_up = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw = (d_gate_up.t() @ x.reshape(-1, x.shape[-1])).to(w_gate.dtype)
-            dw_gate, dw_up = dw[:inter], dw[inter:]
+        dw_gate, dw_up = (None, None) if dw is None else (dw[:inter], dw[inter:])
         return dx, dw_gate, dw_up, d_down, None
+
+
+# --- torch.library ops: what torch.compile sees ------------------------------------------------
+#
+# The same saved tensors as the eager path (x and the gate | up buffer; the weights are the
+# graph's own inputs), so a compiled model keeps no [tokens, I] product per layer either: the
+# composed Linears would have Inductor save gate, up and their product. The matmuls are inside
+# the op (cuBLAS, as in eager). The backward writes its gradients into a new buffer (an op may
+# not write over its inputs), one [tokens, 2I] buffer per layer, freed when the layer's
+# backward ends.
+
+
+@torch.library.custom_op(op_name("gated_mlp_fwd"), mutates_args=())
+def gated_mlp_fwd(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, act: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, w_gate, w_up, w_down, act)
+
+
+@gated_mlp_fwd.register_fake
+def _(x, w_gate, w_up, w_down, act):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty(*x.shape[:-1], w_down.shape[0]), x.new_empty(rows, 2 * w_gate.shape[0])
+
+
+@torch.library.custom_op(op_name("gated_mlp_bwd"), mutates_args=())
+def gated_mlp_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: int,
+    need_x: bool,
+    need_w: bool,
+    need_down: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    need = (need_x, need_w, need_down)
+    grads = _backward(dy, x, gate_up, w_gate, w_up, w_down, act, need, overwrite=False)
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
+@gated_mlp_bwd.register_fake
+def _(dy, x, gate_up, w_gate, w_up, w_down, act, need_x, need_w, need_down):
+    inter, hidden = w_gate.shape
+    return (
+        x.new_empty(x.shape) if need_x else x.new_empty(0),
+        w_gate.new_empty(2 * inter, hidden) if need_w else x.new_empty(0),
+        w_down.new_empty(w_down.shape) if need_down else x.new_empty(0),
+    )
+
+
+def _op_setup(ctx, inputs, output):
+    x, w_gate, w_up, w_down, act = inputs
+    ctx.save_for_backward(x, output[1], w_gate, w_up, w_down)
+    ctx.act = act
+
+
+def _op_backward(ctx, dy, _d_gate_up):
+    x, gate_up, w_gate, w_up, w_down = ctx.saved_tensors
+    g = ctx.needs_input_grad
+    need_w = g[1] or g[2]
+    dx, dw, d_down = gated_mlp_bwd(
+        dy, x, gate_up, w_gate, w_up, w_down, ctx.act, g[0], need_w, g[3]
+    )
+    inter = w_gate.shape[0]
+    return (
+        dx if g[0] else None,
+        dw[:inter] if g[1] else None,
+        dw[inter:] if g[2] else None,
+        d_down if g[3] else None,
+        None,
+    )
+
+
+gated_mlp_fwd.register_autograd(_op_backward, setup_context=_op_setup)
 
 
 def gated_mlp(x, gate_proj, up_proj, down_proj, act: int) -> torch.Tensor | None:
     """down_proj(act(gate_proj(x)) * up_proj(x)) for bias-free nn.Linear modules, or None when
-    the lean path does not apply (biases, compiling, autocast) and the caller should compose."""
+    the lean path does not apply (biases, hooks, autocast) and the caller should compose.
+    Under torch.compile it is the custom op `gated_mlp_fwd`, which saves what eager saves."""
     linears = (gate_proj, up_proj, down_proj)
     # Plain, hook-free Linears only: a LoRA wrapper, a quantized layer or a module with hooks
     # (FSDP applied per Linear, for example) must run its own forward.
     if (
-        torch.compiler.is_compiling()
-        or torch.is_autocast_enabled(x.device.type)
+        torch.is_autocast_enabled(x.device.type)
         or any(type(m) is not torch.nn.Linear or m.bias is not None for m in linears)
         or any(has_hooks(m) for m in linears)
         or any(m.weight.dtype != x.dtype for m in linears)
     ):
         return None
-    return GatedMLPFunction.apply(x, gate_proj.weight, up_proj.weight, down_proj.weight, act)
+    weights = (gate_proj.weight, up_proj.weight, down_proj.weight)
+    if torch.compiler.is_compiling():
+        return gated_mlp_fwd(x, *weights, act)[0]
+    return GatedMLPFunction.apply(x, *weights, act)

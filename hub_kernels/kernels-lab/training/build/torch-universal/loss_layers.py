@@ -259,12 +259,19 @@ _CACHE_ARGS: dict[type, str] = {}
 
 def _cache_arg(model_cls: type) -> str:
     """The decoder's name for the KV cache: ``cache`` (transformers >= 5.2x) or the older one."""
-    # A plain dict, not functools.cache: Dynamo reads a dict without a warning.
+    if torch.compiler.is_compiling():
+        # Read, not kept: Dynamo guards on the dict it reads, so filling it under a trace
+        # would make the next call recompile.
+        return _read_cache_arg(model_cls)
     name = _CACHE_ARGS.get(model_cls)
     if name is None:
-        params = inspect.signature(model_cls.forward).parameters
-        name = _CACHE_ARGS[model_cls] = "cache" if "cache" in params else "past_key_values"
+        name = _CACHE_ARGS[model_cls] = _read_cache_arg(model_cls)
     return name
+
+
+def _read_cache_arg(model_cls: type) -> str:
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def logit_softcap(model: nn.Module) -> float | None:

@@ -25,6 +25,7 @@ import triton.language as tl
 from ._common import (
     PlanCache,
     as_rows,
+    cached_config,
     cdiv,
     config_is_final,
     fast_launch,
@@ -127,6 +128,80 @@ def _rope_kernel(
         _store_rotated(pko, k1, k2, c1, c2, s1, s2, km, HALF)
 
 
+# The most elements of one head tile (heads x half head_dim) `_rope_kernel` takes. Its tiles hold
+# every head of a token at once (next_pow2(heads) x next_pow2(head_dim / 2)), which at Liger's
+# test shape (73 q and 213 k heads, head_dim 92) is a 128 x 64 and a 256 x 64 tile: with few
+# warps, thousands of values per thread, spilled, and ptxas took minutes per config (345 s for
+# 2 warps, compiled for sm_90 on a CPU: scripts/probes/probe_rope_first_call.py --one-tile 2).
+# Wider calls take `_rope_heads_kernel`, which loops over tiles of at most this many elements.
+# Every model and sweep shape benchmarked fits (64 q heads x 64 is 4096): their kernel and
+# candidates are unchanged.
+MAX_TILE = 4096
+# Values per thread (both halves of q's and k's tiles, times the tokens a program takes) a
+# candidate may hold where the tiles are ragged (a head count not a power of two, or half
+# head_dim not a multiple of 16: padded rows, narrow vector loads). Above it ptxas took 6-25 s
+# per config (41 heads, head_dim 40, 1 warp) against 2 s at 2 warps; power-of-two shapes at the
+# same size build in 2-3 s and keep every candidate.
+RAGGED_VALUES = 128
+
+
+@fast_launch
+@triton.jit
+def _rope_heads_kernel(
+    Q, K, QO, KO, COS, SIN, REPEATS, n_tokens, T,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
+    sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
+    sc_b, sc_t, ss_b, ss_t, HQ, HK,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
+    REPEATED: tl.constexpr, FLAGGED: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """`_rope_kernel` for many heads: one token per program, its heads in tiles of BLOCK_H
+    (a loop, not unrolled), so the registers a program needs do not grow with the head count.
+    The head counts are runtime arguments: one compiled kernel serves every count."""
+    tok = tl.program_id(0)
+    b = (tok // T).to(tl.int64)
+    t = (tok % T).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    pc = COS + b * sc_b + t * sc_t + d
+    ps = SIN + b * ss_b + t * ss_t + d
+    c1 = tl.load(pc, mask=dmask, other=0.0)
+    s1 = tl.load(ps, mask=dmask, other=0.0)
+    if REPEATED:
+        c2 = c1
+        s2 = s1
+    elif FLAGGED:
+        repeats = d * 0 + tl.load(REPEATS) != 0
+        c2 = tl.where(repeats, c1, tl.load(pc + HALF, mask=dmask & ~repeats, other=0.0))
+        s2 = tl.where(repeats, s1, tl.load(ps + HALF, mask=dmask & ~repeats, other=0.0))
+    else:
+        c2 = tl.load(pc + HALF, mask=dmask, other=0.0)
+        s2 = tl.load(ps + HALF, mask=dmask, other=0.0)
+    if UPCAST:
+        c1, c2, s1, s2 = c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
+    if BACKWARD:
+        s1, s2 = -s2, -s1
+    h = tl.arange(0, BLOCK_H)
+    for h0 in range(0, HQ, BLOCK_H):
+        m = ((h0 + h) < HQ)[:, None] & dmask[None, :]
+        p = Q + b * sq_b + t * sq_t + (h0 + h)[:, None] * sq_h + d[None, :]
+        x1 = tl.load(p, mask=m, other=0.0)
+        x2 = tl.load(p + HALF, mask=m, other=0.0)
+        if UPCAST:
+            x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        po = QO + b * sqo_b + t * sqo_t + (h0 + h)[:, None] * sqo_h + d[None, :]
+        _store_rotated(po, x1, x2, c1, c2, s1, s2, m, HALF)
+    for h0 in range(0, HK, BLOCK_H):
+        m = ((h0 + h) < HK)[:, None] & dmask[None, :]
+        p = K + b * sk_b + t * sk_t + (h0 + h)[:, None] * sk_h + d[None, :]
+        x1 = tl.load(p, mask=m, other=0.0)
+        x2 = tl.load(p + HALF, mask=m, other=0.0)
+        if UPCAST:
+            x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        po = KO + b * sko_b + t * sko_t + (h0 + h)[:, None] * sko_h + d[None, :]
+        _store_rotated(po, x1, x2, c1, c2, s1, s2, m, HALF)
+
+
 @fast_launch
 @triton.jit
 def _halves_differ_kernel(
@@ -146,15 +221,32 @@ def _halves_differ_kernel(
         tl.store(FLAG, 0)
 
 
+def head_tiles(hq: int, hk: int, d: int) -> int | None:
+    """Heads per tile of `_rope_heads_kernel` when a call's head tiles would exceed MAX_TILE
+    elements in `_rope_kernel`, else None (`_rope_kernel` takes the call)."""
+    block_d = next_pow2(d // 2)
+    if max(next_pow2(max(hq, 1)), next_pow2(max(hk, 1))) * block_d <= MAX_TILE:
+        return None
+    return max(1, MAX_TILE // block_d)
+
+
 @functools.lru_cache(maxsize=256)  # asked on every call; shared, never mutated
 def rope_candidates(hq: int, hk: int, d: int) -> list[dict]:
-    """Tokens per program and warps worth timing (the first is the default)."""
+    """Tokens per program and warps worth timing (the first is the default). For the wide
+    head counts `_rope_heads_kernel` takes: one token per program, 4 or 8 warps (tiles of
+    MAX_TILE elements, 8 to 16 per thread)."""
+    if head_tiles(hq, hk, d) is not None:
+        return [{"BLOCK_T": 1, "num_warps": 4}, {"BLOCK_T": 1, "num_warps": 8}]
     per_token = (next_pow2(hq) + next_pow2(hk)) * next_pow2(d)
     block_t = max(1, min(4, 4096 // per_token))
     # One token per program timed best under a flushed L2 at the benchmark shapes (1 warp at
     # 2048 tokens, 8 at 16384); more tokens per program pay off only for tiny heads.
     pairs = [(1, 4), (1, 8), (1, 2), (1, 1), (2, 4), (2, 8)]
-    return [{"BLOCK_T": t * block_t, "num_warps": w} for t, w in pairs]
+    out = [{"BLOCK_T": t * block_t, "num_warps": w} for t, w in pairs]
+    pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+    if not (pow2(hq) and pow2(hk) and (d // 2) % 16 == 0):  # ragged tiles: see RAGGED_VALUES
+        out = [c for c in out if c["BLOCK_T"] * per_token <= RAGGED_VALUES * 32 * c["num_warps"]]
+    return out
 
 
 # Below this many cos elements per call the check costs more launches than the reads it saves.
@@ -323,7 +415,8 @@ class _RotatePlan:
     None, a device flag), the config and the bound launch once chosen."""
 
     __slots__ = ("ud", "backward", "empty", "qo_strides", "ko_strides", "copy", "scalars",
-                 "constexprs", "tune_key", "candidates", "n_tokens", "launches")  # fmt: skip
+                 "constexprs", "tune_key", "candidates", "n_tokens", "launches",
+                 "kernel")  # fmt: skip
 
     def __init__(self, q, k, cos, sin, unsqueeze_dim, backward, out) -> None:
         self.ud, self.backward = unsqueeze_dim, backward
@@ -353,9 +446,18 @@ class _RotatePlan:
         # On the CPU the Triton path runs only in the interpreter, which keeps bfloat16 as
         # integers.
         upcast = not q.is_cuda and torch.bfloat16 in (q.dtype, k.dtype, cos.dtype, sin.dtype)
-        self.constexprs = {"HQ": hq, "HK": hk, "HALF": half, "BLOCK_HQ": next_pow2(max(hq, 1)),
-                           "BLOCK_HK": next_pow2(max(hk, 1)), "BLOCK_D": next_pow2(half),
-                           "BACKWARD": backward, "UPCAST": upcast}  # fmt: skip
+        block_h = head_tiles(hq, hk, d)
+        if block_h is None:
+            self.kernel = _rope_kernel
+            self.constexprs = {"HQ": hq, "HK": hk, "HALF": half,
+                               "BLOCK_HQ": next_pow2(max(hq, 1)), "BLOCK_HK": next_pow2(max(hk, 1)),
+                               "BLOCK_D": next_pow2(half), "BACKWARD": backward,
+                               "UPCAST": upcast}  # fmt: skip
+        else:  # many heads: tiles of block_h heads, the head counts passed at run time
+            self.kernel = _rope_heads_kernel
+            self.scalars += (hq, hk)
+            self.constexprs = {"HALF": half, "BLOCK_H": block_h, "BLOCK_D": next_pow2(half),
+                               "BACKWARD": backward, "UPCAST": upcast}  # fmt: skip
         self.tune_key = ("rope", n_tokens.bit_length(), hq, hk, d, q.dtype, cos.dtype, q.device)
         self.candidates = rope_candidates(hq, hk, d)
         self.launches: dict = {}
@@ -390,9 +492,11 @@ class _RotatePlan:
         return qo, ko
 
     def _kwargs(self, c, kind) -> dict:
+        flags = {"REPEATED": kind is True, "FLAGGED": kind == "flag", "num_warps": c["num_warps"]}
+        if self.kernel is _rope_heads_kernel:  # one token per program
+            return {**self.constexprs, **flags}
         return {**self.constexprs, "BLOCK_T": c["BLOCK_T"],
-                "EVEN_T": self.n_tokens % c["BLOCK_T"] == 0, "REPEATED": kind is True,
-                "FLAGGED": kind == "flag", "num_warps": c["num_warps"]}  # fmt: skip
+                "EVEN_T": self.n_tokens % c["BLOCK_T"] == 0, **flags}  # fmt: skip
 
     def _choose(self, kind, q, k, qv, kv, qo, ko, cos, sin, repeats, cfg):
         """The bound launch for `cfg`, or for the config picked for this key and `kind` (timed
@@ -405,7 +509,7 @@ class _RotatePlan:
 
             def launch(c, qd=qo, kd=ko, sqo=self.scalars[8:11], sko=self.scalars[11:14]):
                 s = self.scalars
-                _rope_kernel[grid_of(c)](
+                self.kernel[grid_of(c)](
                     qv, kv, qd, kd, cos, sin, flag, *s[:8], *sqo, *sko, *s[14:],
                     **self._kwargs(c, kind),
                 )  # fmt: skip
@@ -423,10 +527,21 @@ class _RotatePlan:
                         scratch.extend((qs, ks, qs.stride()[:3], ks.stride()[:3]))
                     launch(c, *scratch)
 
-            key = (*self.tune_key, kind)
-            cfg = pick_config(key, self.candidates, tune, cold=q.device)
-            keep = config_is_final(key, self.candidates)
-        bound = _rope_kernel.bound(grid_of(cfg), self._kwargs(cfg, kind))
+            if kind == "flag":
+                # The device flag is read only until the host copy of the answer lands (a
+                # shape's first call or two): not worth compiling and timing every candidate
+                # for. The config timed for another kind, else the default; not kept.
+                cfg = (
+                    cached_config((*self.tune_key, True))
+                    or cached_config((*self.tune_key, False))
+                    or self.candidates[0]
+                )
+                keep = False
+            else:
+                key = (*self.tune_key, kind)
+                cfg = pick_config(key, self.candidates, tune, cold=q.device)
+                keep = config_is_final(key, self.candidates)
+        bound = self.kernel.bound(grid_of(cfg), self._kwargs(cfg, kind))
         if keep:
             self.launches[kind] = bound
         return bound
@@ -460,15 +575,23 @@ def rope(
     unsqueeze_dim: int,
     backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Only reached for calls that triton_supported() accepts (see apply_rotary_pos_emb). Under
+    # Only reached for calls whose layouts the kernel covers (see apply_rotary_pos_emb). Under
     # torch.compile both halves are read: Inductor may reuse a buffer object for another tensor,
     # writing it with its own kernels, which a kept answer would not notice.
-    return rotate(q, k, cos, sin, unsqueeze_dim, backward, repeats=None)
+    if use_triton(q):
+        return rotate(q, k, cos, sin, unsqueeze_dim, backward, repeats=None)
+    # The torch formula (CPU without the interpreter): the same graph on every device, and
+    # outputs laid out as the fake registration says (`_out_like`).
+    if backward:  # the transposed rotation: the sine's halves swapped and negated
+        s1, s2 = sin.chunk(2, dim=-1)
+        sin = -torch.cat((s2, s1), dim=-1)
+    qr, kr = composite(q, k, cos, sin, unsqueeze_dim)
+    return _out_like(q).copy_(qr), _out_like(k).copy_(kr)
 
 
 @rope.register_fake
 def _(q, k, cos, sin, unsqueeze_dim, backward):
-    return torch.empty_like(q), torch.empty_like(k)
+    return _out_like(q), _out_like(k)
 
 
 def _setup_context(ctx, inputs, output):
@@ -697,7 +820,9 @@ def apply_rotary_pos_emb(
     In eager mode the rotation may be written over q and k themselves (where safe; see the
     module docstring): read the returned tensors, not q and k, after the call."""
     if torch.compiler.is_compiling():
-        if triton_supported(q, k, cos, sin, unsqueeze_dim):
+        # The op on every device (it runs the torch formula where Triton does not run), so the
+        # compiled graph is the same on a CPU as on a GPU.
+        if _layouts_supported(q, k, cos, sin, unsqueeze_dim):
             return rope(q, k, cos, sin, unsqueeze_dim, False)
         return composite(q, k, cos, sin, unsqueeze_dim)
     if not use_triton(q):  # first: a CPU call without the interpreter builds no key

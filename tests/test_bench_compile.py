@@ -1,0 +1,70 @@
+"""scripts/bench_compile.py: the target verdict and table on hand-made rows, the harness's
+verdict under CUDA graphs (bench_kernels --cudagraphs), and the --smoke run end to end on the
+CPU (sweep: minutes of Dynamo tracing on two cores)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_compile  # noqa: E402
+
+from tests.sweep import sweep_only  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(setup, tokens, peak, run="qwen3-8x2048"):
+    return {"setup": setup, "run": run, "shape": "Qwen3-0.6B (28 layers)", "batch": 8,
+            "seq": 2048, "tokens_per_s": tokens, "peak_gib": peak, "run_peak_gib": peak,
+            "step_ms": 1.0, "first_step_s": 1.0, "graphs": 1, "graph_breaks": 0}  # fmt: skip
+
+
+def test_compile_with_kernels_meets_the_target_only_above_both_and_within_memory():
+    ours, compiled = _row("ours", 100.0, 20.0), _row("compile", 80.0, 60.0)
+    assert bench_compile.verdict(_row("ours-compile", 101.0, 21.0), ours, compiled) == "met"
+    slow = bench_compile.verdict(_row("ours-compile", 90.0, 20.0), ours, compiled)
+    assert slow.startswith("tokens/s 0.90x")
+    heavy = bench_compile.verdict(_row("ours-compile-cudagraphs", 120.0, 21.5), ours, compiled)
+    assert heavy == "peak 1.07x ours"
+    assert bench_compile.verdict(_row("liger", 50.0, 20.0), ours, compiled) == ""
+
+
+def test_table_lists_every_setup_and_errors():
+    rows = [_row("ours", 100.0, 20.0), _row("compile", 80.0, 60.0),
+            _row("ours-compile", 110.0, 20.5),
+            {"setup": "liger", "run": "qwen3-8x2048", "error": "liger_kernel not importable"}]  # fmt: skip
+    text = bench_compile.table(rows, "qwen3-8x2048")
+    assert "| ours-compile | 0.1 k |" in text and "1.10x , 1.38x | met |" in text
+    assert "| liger | error: liger_kernel not importable |" in text
+
+
+def test_harness_compares_graphed_rows_with_graphed_peers():
+    import bench_harness
+
+    group = [
+        {"impl": "eager", "fwd_bwd_ms": 1.0, "fwd_bwd_wall_ms": 0.2, "extra_mib": 0.0},
+        {"impl": "eager reduce-overhead", "fwd_bwd_ms": 1.0, "fwd_bwd_wall_ms": 0.05,
+         "extra_mib": 0.0},
+        {"impl": "ours", "fwd_bwd_ms": 1.0, "fwd_bwd_wall_ms": 0.1, "extra_mib": 0.0},
+        {"impl": "ours reduce-overhead", "fwd_bwd_ms": 1.0, "fwd_bwd_wall_ms": 0.1,
+         "extra_mib": 0.0},
+    ]  # fmt: skip
+    assert bench_harness.verdict(group, group[2]) == "ok"  # against plain eager only
+    assert bench_harness.verdict(group, group[3]) == "wall 2.00x eager reduce-overhead"
+
+
+@sweep_only("bench_compile --smoke (every setup, a tiny Qwen3 on the CPU)")
+def test_smoke_runs_every_setup(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "scripts/bench_compile.py", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = (tmp_path / "compile.md").read_text()
+    for setup in ("| ours |", "| compile |", "| ours-compile |", "| ours-compile-cudagraphs |"):
+        assert setup in text
+    assert "error" not in text.replace("| liger | error: liger_kernel not importable", "")
