@@ -31,3 +31,10 @@ from .fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from .loss_layers import ForCausalLMLoss  # noqa: E402
 
 __all__ += ["cross_entropy", "fused_linear_cross_entropy", "ForCausalLMLoss"]
+
+# Parallelism: the vocab-parallel loss of a tensor-parallel head (DTensors are routed to it by
+# fused_linear_cross_entropy too) and the global token count of a context-parallel loss.
+from .context_parallel import token_count  # noqa: E402
+from .vocab_parallel import vocab_parallel_cross_entropy  # noqa: E402
+
+__all__ += ["token_count", "vocab_parallel_cross_entropy"]
