@@ -436,8 +436,9 @@ def cp(*, family: str, out: Path, **_) -> dict:
 
 
 def fsdp2(*, family: str, out: Path, **_) -> dict:
-    """fully_shard on every decoder layer and the root (lm_head in the root unit), the kernels
-    bound first (as scripts/train_fsdp.py does); each rank its own batch."""
+    """fully_shard on every decoder layer, on lm_head alone (untied heads: its weight is then
+    whole only inside lm_head's own hooks, where the fused loss must read it) and on the root,
+    the kernels bound first (as scripts/train_fsdp.py does); each rank its own batch."""
     from torch.distributed.fsdp import fully_shard
 
     path = checkpoint(family, out)
@@ -447,11 +448,20 @@ def fsdp2(*, family: str, out: Path, **_) -> dict:
     bound = bind(model)
     for layer in model.model.layers:
         fully_shard(layer)
+    own_head = model.lm_head.weight is not model.get_input_embeddings().weight
+    if own_head:
+        fully_shard(model.lm_head)
     fully_shard(model)
     ids = batches[dist.get_rank()]
     output = model(input_ids=ids, labels=ids)
     output.loss.backward()
-    return {**result, "loss": output.loss.detach(), "grads": full_grads(model), "bound": bound}
+    return {
+        **result,
+        "loss": output.loss.detach(),
+        "grads": full_grads(model),
+        "bound": bound,
+        "own_head_unit": own_head,
+    }
 
 
 def zero3(*, family: str, out: Path, **_) -> dict:
@@ -468,7 +478,9 @@ def zero3(*, family: str, out: Path, **_) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3},
+        # no parameter kept whole for being small: every weight is partitioned, as a real
+        # model's large ones are (the default keeps those under 1e5 elements whole)
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
@@ -482,7 +494,22 @@ def zero3(*, family: str, out: Path, **_) -> dict:
     for name, p in model.named_parameters():
         g = safe_get_full_grad(p)
         grads[name] = None if g is None else g.detach().clone().float()
+    # The fused loss called after the forward returned (a loss outside the model, as TRL- or
+    # Liger-style code computes it): an empty shard and a clear error; gathered, the same loss.
+    kt = _kernels()
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1].flatten(0, 1)
+        target = ids[:, 1:].flatten()
+        try:
+            kt.fused_linear_cross_entropy(hidden, model.lm_head.weight, target)
+            outside = "no error"
+        except ValueError as exc:
+            outside = str(exc)
+        with deepspeed.zero.GatheredParameters([model.lm_head.weight]):
+            gathered = kt.fused_linear_cross_entropy(hidden, model.lm_head.weight, target)
     return {
+        "outside_error": outside,
+        "gathered_loss": gathered,
         **result,
         "loss": loss.detach(),
         "grads": grads,

@@ -42,6 +42,7 @@ from .cross_entropy import (
     scale_rows_,
 )
 from .vocab_parallel import is_vocab_sharded, refuse_options, vocab_parallel_cross_entropy
+from .zero3 import check_gathered
 
 # The logits buffer's budget: with the O(N + V) scratch next to it, one call stays under
 # 512 MiB of extra memory (502 MiB measured on an H200 at V=128256, docs/losses.md).
@@ -357,6 +358,7 @@ def fused_linear_cross_entropy(
             f"target shape {tuple(target.shape)} must equal hidden shape without its last "
             f"dimension, {tuple(hidden.shape[:-1])}"
         )
+    check_gathered(weight)
     if is_vocab_sharded(weight):  # a colwise (tensor-parallel) head: each rank keeps its rows
         refuse_options(
             class_weight=class_weight, use_token_scaling=use_token_scaling,
