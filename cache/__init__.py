@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 from .fsutil import atomic_write_bytes, is_writable_dir, make_dirs
 from .manifest import FileEntry, Manifest, ManifestError, check_relpath
 from .objects import DigestMismatch, ObjectStore, ObjectWriter
-from .records import RecordStore, RepoIndex, ResolutionRecord, TrustRecord
+from .records import (
+    RecordStore,
+    RepoIndex,
+    ResolutionRecord,
+    TrustRecord,
+    VerdictRecord,
+    VerdictStore,
+)
 from .safety import Exposure, check_path, check_tree
 from .staging import Staging
 from .trees import TreeCheck, TreeStore
@@ -57,6 +64,7 @@ __all__ = [
     "TreeCheck",
     "TrustRecord",
     "Usage",
+    "VerdictRecord",
     "check_relpath",
 ]
 
@@ -68,7 +76,7 @@ _CACHEDIR_TAG = (
 
 # Bucket folders whose writers decide what a load imports or trusts (see `exposure`).
 # `kernel-status` decides which repo a load goes on to; `snapshots` which tree a caller of
-# install_kernel is shown.
+# install_kernel is shown; `signatures` whether a signature policy lets a tree be imported.
 _GUARDED = (
     "objects",
     "aliases",
@@ -81,6 +89,7 @@ _GUARDED = (
     "locks",
     "kernel-status",
     "snapshots",
+    "signatures",
 )
 
 
@@ -119,6 +128,7 @@ class Cache:
         # and covered by `exposure` like every other bucket.
         self.status = self.base / "kernel-status"
         self.snapshots = self.base / "snapshots"
+        self.signatures = VerdictStore(self.base / "signatures", endpoint)
 
     # -- setup -----------------------------------------------------------------------------
     def ensure(self) -> None:

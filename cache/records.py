@@ -4,6 +4,7 @@
 - `RepoIndex`: per (repo, commit): the remote file listing (immutable, so cached forever) and,
   per installed variant, the manifest digest of its tree.
 - `TrustRecord`: a publisher trust decision and where it came from.
+- `VerdictRecord`: what a signature check of a tree found (the loader's signature policy).
 
 Keys are opaque strings to this module; it knows nothing of what a repo or a revision means.
 
@@ -44,6 +45,18 @@ class TrustRecord:
     checked_at: float
 
 
+@dataclass(frozen=True)
+class VerdictRecord:
+    """What a verification of the tree `tree` under the policy `key` found (`verdict`, with
+    a one-line `detail`), and when."""
+
+    tree: str
+    key: str
+    verdict: str
+    detail: str
+    checked_at: float
+
+
 def _read_scoped(path: Path, endpoint: str | None) -> dict | None:
     """The record at `path` for `endpoint`; with None, the most recently checked of any."""
     data = read_json(path)
@@ -65,6 +78,12 @@ def _write_scoped(path: Path, endpoint: str | None, record: dict) -> None:
     entries = dict(entries) if isinstance(entries, dict) else {}
     entries[endpoint or ""] = record
     atomic_write_json(path, {"endpoints": entries})
+
+
+def _endpoints_of(path: Path) -> list[str]:
+    data = read_json(path)
+    entries = data.get("endpoints") if isinstance(data, dict) else None
+    return sorted(e for e in entries if e) if isinstance(entries, dict) else []
 
 
 def endpoint_key(endpoint: str) -> str:
@@ -108,6 +127,19 @@ class RecordStore:
                 if record:
                     out.append(record)
         return out
+
+    def endpoints(self, repo: str, revision: str) -> list[str]:
+        """Every endpoint with a resolution record of (repo, revision), whatever this store's
+        endpoint: for messages that say where something was cached, never for a decision."""
+        return _endpoints_of(self._ref_path(repo, revision))
+
+    def trusted_at(self, publisher: str) -> list[str]:
+        """Every endpoint whose recorded answer trusts `publisher` (messages only, as above)."""
+        data = read_json(self.trust_dir / f"{safe_key(publisher)}.json")
+        entries = data.get("endpoints") if isinstance(data, dict) else None
+        if not isinstance(entries, dict):
+            return []
+        return sorted(e for e, r in entries.items() if isinstance(r, dict) and r.get("trusted"))
 
     def repos(self) -> list[str]:
         if not self.refs.is_dir():
@@ -200,6 +232,20 @@ class RepoIndex:
             if self._usable(read_json(p))
         )
 
+    def variant_endpoints(self, repo: str, commit: str) -> list[str]:
+        """The endpoints whose listing gave an installed variant of (repo, commit), whatever
+        this store's endpoint: for messages that say where a kernel was cached from."""
+        folder = self._commit_dir(repo, commit) / "variants"
+        found: set[str] = set()
+        if folder.is_dir():
+            for item in folder.glob("*.json"):
+                data = read_json(item)
+                if isinstance(data, dict) and "tree" in data:
+                    endpoints = data.get("endpoints")
+                    if isinstance(endpoints, list):
+                        found.update(e for e in endpoints if isinstance(e, str) and e)
+        return sorted(found)
+
     def get_manifest(self, digest: str) -> Manifest | None:
         data = read_json(self.manifests / f"{digest}.json")
         if data is None:
@@ -233,3 +279,31 @@ class RepoIndex:
                             unsafe_key(item.name[: -len(".json")]),
                             str(data["tree"]),
                         )
+
+
+class VerdictStore:
+    """signatures/<tree digest>-<key>.json: verdicts of the loader's signature checks, kept per
+    endpoint like every record. `key` is opaque here (the loader's name for what was checked
+    against: signers and trust root)."""
+
+    def __init__(self, root: Path, endpoint: str | None = None):
+        self.root = root
+        self.endpoint = endpoint
+
+    def _path(self, tree: str, key: str) -> Path:
+        return self.root / f"{safe_key(tree)}-{safe_key(key)}.json"
+
+    def get(self, tree: str, key: str) -> VerdictRecord | None:
+        data = _read_scoped(self._path(tree, key), self.endpoint)
+        if data is None:
+            return None
+        try:
+            return VerdictRecord(
+                tree, key, str(data["verdict"]), str(data["detail"]), float(data["checked_at"])
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, record: VerdictRecord) -> None:
+        data = {"verdict": record.verdict, "detail": record.detail, "checked_at": record.checked_at}
+        _write_scoped(self._path(record.tree, record.key), self.endpoint, data)

@@ -143,10 +143,13 @@ def _run(
     validate_deps: bool = False,
     progress=None,
     hops: int = 0,
+    on_redirect=None,
 ) -> Installed:
     """One pass of resolve/fetch/select. Without `network`, raise _NeedNetwork where the cache
     cannot answer (or OfflineCacheMiss when `offline`). A repo whose kernel-status.toml
-    redirects is replaced by its destination (`hops` counts the redirects followed)."""
+    redirects is replaced by its destination (`hops` counts the redirects followed), unless
+    `on_redirect(repo_id, commit, redirect)` returns False (load the repo's own files) or
+    raises (a locked load: locked.py)."""
     assert spec.repo_id is not None
     repo_id = spec.repo_id
     ttl = settings.resolve_ttl()
@@ -168,10 +171,12 @@ def _run(
                 raise
             if cache.index.installed_variants(repo_id, commit):
                 raise
-            raise OfflineCacheMiss(
-                f"{what}: offline, and this kernel is not cached",
-                hint=f"run `kernels pull {repo_id}@{spec.ref}` while online",
-            ) from None
+            from .offline import cache_miss
+
+            detail = "this kernel is not cached"
+            if spec.ref != commit:
+                detail = f"{commit[:12]}, the commit it names, is not cached"
+            raise cache_miss(cache, repo_id, spec.ref, detail, commit=commit) from None
     else:
         try:
             ensure_trusted(cache, repo_id, trust_remote_code, offline=True)
@@ -181,6 +186,12 @@ def _run(
         redirect = status.lookup(cache, repo_id, commit, network=None if offline else network)
     except status.NeedNetwork:
         raise _NeedNetwork from None
+    if (
+        redirect is not None
+        and on_redirect is not None
+        and not on_redirect(repo_id, commit, redirect)
+    ):
+        redirect = None
     if redirect is not None:
         if hops >= status.MAX_HOPS:
             raise KernelStatusError(f"{what}: more than {status.MAX_HOPS} kernel-status redirects")
@@ -266,9 +277,14 @@ def _run(
             )
         return Installed(resolution, variant, manifest, tree, metadata, trace)
     if skipped_uncached:
-        raise OfflineCacheMiss(
-            f"{what}: offline, and no compatible variant is cached (wanted {skipped_uncached[0]})",
-            hint=f"run `kernels pull {repo_id}@{spec.ref}` while online",
+        from .offline import cache_miss
+
+        raise cache_miss(
+            cache,
+            repo_id,
+            spec.ref,
+            f"no compatible variant is cached (wanted {skipped_uncached[0]})",
+            commit=commit,
         )
     raise no_variant_error(what, system, trace)
 
@@ -315,11 +331,17 @@ def _ensure_installed(
     check_arch: bool = True,
     validate_deps: bool = False,
     progress=None,
+    on_redirect=None,
 ) -> Installed:
     cache = _cache()
     system = _system(backend)
     offline = settings.offline()
-    kwargs = dict(check_arch=check_arch, validate_deps=validate_deps, progress=progress)
+    kwargs = dict(
+        check_arch=check_arch,
+        validate_deps=validate_deps,
+        progress=progress,
+        on_redirect=on_redirect,
+    )
     try:
         return _run(
             cache, spec, system, trust_remote_code, network=False, offline=offline, **kwargs
@@ -473,8 +495,9 @@ def install_kernel(
 
     The folder has the reference's layout, `<snapshot>/build/<variant>`, so that
     `path.parent.parent` is a repo root that `get_local_kernel` and `LocalLayerRepository`
-    accept: `<cache>/v1/snapshots/<org>--<name>/<commit>/build/<variant>` is a link to the
-    verified tree in the cache (the tree itself where links cannot be made). With
+    accept: `<cache>/v1/snapshots/<endpoint key>/<org>--<name>/<commit>/build/<variant>` is a
+    link to the verified tree in the cache (the tree itself where links cannot be made), checked
+    to lead there before it is returned. With
     `validate_dependencies`, the kernel's Python dependencies are checked against the allow-list
     before the variant is downloaded, and for being installed.
     """
@@ -510,26 +533,56 @@ def _backend(backend: str | None) -> str:
 
 
 def snapshot_link(cache: Cache, repo_id: str, commit: str, variant: str, tree: Path) -> Path:
-    """`<cache>/v1/snapshots/<org>--<name>/<commit>/build/<variant>`, a relative symlink to the
-    verified `tree`; `tree` itself when the link cannot be made (read-only cache, no symlinks).
+    """`<cache>/v1/snapshots/<endpoint key>/<org>--<name>/<commit>/build/<variant>`, a relative
+    symlink to the verified `tree`; `tree` itself when the link cannot be made (read-only cache,
+    no symlinks).
 
-    The link holds no bytes of its own: what it shows is the tree the load path verified, and a
-    pruned tree leaves a dangling link that the next install_kernel repoints.
+    Keyed by endpoint like every record: a path handed out at one endpoint never shows another
+    endpoint's files for the same commit. Before it is returned, the link must resolve to `tree`
+    (the tree this endpoint's record names for that commit and variant) and no folder on its way
+    may be writable by another user (UnsafePermissions); else IntegrityError. A pruned tree
+    leaves a dangling link that the next install_kernel repoints.
     """
-    build = cache.snapshots / repo_id.replace("/", "--") / commit / "build"
+    from kernels.cache.records import endpoint_key
+
+    build = (
+        cache.snapshots
+        / endpoint_key(cache.endpoint or "")
+        / repo_id.replace("/", "--")
+        / commit
+        / "build"
+    )
     link = build / variant
     try:
         target = os.path.relpath(tree, build)
-        if link.is_symlink() and os.readlink(link) == target:
-            return link
-        make_dirs(build)  # 0755 whatever the umask: the cache's permission check covers it
-        staged = build / f".tmp-{variant}-{os.getpid()}-{threading.get_ident()}"
-        staged.unlink(missing_ok=True)
-        os.symlink(target, staged, target_is_directory=True)
-        os.replace(staged, link)  # atomic: a reader sees the old link or the new one
+        if not (link.is_symlink() and os.readlink(link) == target):
+            make_dirs(build)  # 0755 whatever the umask: the cache's permission check covers it
+            staged = build / f".tmp-{variant}-{os.getpid()}-{threading.get_ident()}"
+            staged.unlink(missing_ok=True)
+            os.symlink(target, staged, target_is_directory=True)
+            os.replace(staged, link)  # atomic: a reader sees the old link or the new one
     except (OSError, NotImplementedError, ValueError):
         return tree
+    _check_snapshot(link, tree)
     return link
+
+
+def _check_snapshot(link: Path, tree: Path) -> None:
+    """The link, every folder above it and every folder it leads through are writable only by
+    this user and root, and it resolves to `tree`: what the caller reads is what was verified."""
+    from kernels.cache.safety import check_path
+
+    from .guard import unsafe
+
+    exposure = check_path(link)  # the link's folders, then (it is a link) its target's
+    if exposure is not None:
+        raise unsafe(exposure, f"the snapshot link {link}")
+    if os.path.realpath(link) != os.path.realpath(tree):
+        raise IntegrityError(
+            f"the snapshot link {link} leads to {os.path.realpath(link)}, not to the verified "
+            f"tree {tree}",
+            hint=f"remove {link.parent.parent} and call install_kernel again",
+        )
 
 
 def install_with_details(
@@ -562,7 +615,7 @@ def has_kernel(
     local = _local_override(repo_id)
     if local is not None:
         try:
-            _local_variant(Path(local).expanduser().resolve(), _system(backend))
+            _local_variant(local, _system(backend))
         except (KernelNotFound, NoCompatibleVariant, InvalidMetadata):
             return False
         return True
@@ -614,8 +667,13 @@ def _local_manifest(folder: Path) -> Manifest:
     return Manifest(tuple(entries))
 
 
-def _local_variant(repo_path: Path, system: SystemInfo) -> tuple[Path, Metadata, str]:
-    """(folder, metadata, variant name) of the best variant of a local kernel for `system`."""
+def _local_variant(given: Path | str, system: SystemInfo) -> tuple[Path, Metadata, str]:
+    """(folder, metadata, variant name) of the best variant of a local kernel for `system`.
+    Its code runs, so the folder is held to the cache's rule: UnsafePermissions when another
+    user could write it, a folder above it or a file below it (local_kernels.py)."""
+    from .local_kernels import check_imported, checked_folder
+
+    repo_path = checked_folder(given)
     if not repo_path.is_dir():
         raise KernelNotFound(
             f"Could not find kernel in {repo_path}", hint="pass the path of a kernel repo"
@@ -642,6 +700,7 @@ def _local_variant(repo_path: Path, system: SystemInfo) -> tuple[Path, Metadata,
                 raise no_variant_error(str(repo_path), system, reject(trace, entry.variant, reason))
             trace = reject(trace, entry.variant, reason)
             continue
+        check_imported(folder)
         return folder, metadata, str(entry.variant)
     raise no_variant_error(str(repo_path), system, trace)
 
@@ -655,7 +714,6 @@ def get_local_kernel(
 ) -> ModuleType:
     """Import a kernel from a local folder: the repo root, its build/, or one variant folder
     (so also `install_kernel(...).parent.parent`)."""
-    repo_path = Path(repo_path).expanduser().resolve()
     system = _system(backend)
     folder, metadata, variant = _local_variant(repo_path, system)
     check_python_depends(metadata, backend=system.backend)

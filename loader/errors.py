@@ -131,6 +131,17 @@ class UnsafeResponse(IntegrityError):
     hint = "check HF_ENDPOINT points at a Hub you trust; report the answer to its operator"
 
 
+class SignatureError(IntegrityError):
+    """The signature policy (KERNELS_SIGNATURE_POLICY, `[signatures]` in the config file)
+    requires a valid Sigstore signature, and the kernel is unsigned, its signature does not
+    verify, or its files do not match the signed digest. Nothing was imported."""
+
+    hint = (
+        "run `kernels verify-signature org/repo <version>` for details; set the policy of this "
+        "publisher to warn or off only if you accept unsigned code from it"
+    )
+
+
 class DownloadTimeout(HubUnavailable):
     """A download ran past its overall deadline (the server sent too slowly, or stalled)."""
 

@@ -26,7 +26,6 @@ from .errors import (
     InvalidSpec,
     KernelsError,
     LockWaitTimeout,
-    OfflineCacheMiss,
 )
 from .metadata import MAX_METADATA_BYTES
 from .remote_file import RemoteFile, is_commit_id
@@ -126,9 +125,10 @@ def get_listing(cache: Cache, repo_id: str, commit: str, *, offline: bool) -> Li
         except (KeyError, TypeError, ValueError):
             pass  # unreadable record: fetch again
     if offline:
-        raise OfflineCacheMiss(
-            f"{repo_id}@{commit[:12]}: offline, and the variants of this commit are not cached",
-            hint=f"run `kernels pull {repo_id}@{commit}` while online",
+        from .offline import cache_miss  # an error path: kept off the warm load
+
+        raise cache_miss(
+            cache, repo_id, commit, "the variants of this commit are not cached", commit=commit
         )
     from . import hub  # only here and in fetch_object: a warm load never imports it
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from . import settings
 from .errors import InvalidMetadata
 from .metadata import Metadata
 from .select import warn_if_dirty
@@ -113,7 +114,16 @@ def import_tree(
     repo_info: RepoInfo | None = None,
     deps: dict[str, ModuleType] | None = None,
 ) -> LoadedKernel:
-    """Import the package in `tree` (already verified against `digest`); idempotent per digest."""
+    """Import the package in `tree` (already verified against `digest`); idempotent per digest.
+
+    A kernel from an endpoint (`repo_info`) must first pass the signature policy
+    (signatures.py; default "off": nothing is read)."""
+    if repo_info is not None:
+        mode = settings.signature_policy(repo_info.repo_id)
+        if mode != "off":
+            from .signatures import enforce
+
+            enforce(tree, digest, repo_info.repo_id, mode)
     name = module_name_for(metadata, digest)
     with _lock:
         existing = _loaded.get(name)

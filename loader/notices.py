@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from .safe_text import safe_lines
+
 logger = logging.getLogger("kernels")
 _seen: set[str] = set()
 _lock = threading.Lock()
@@ -20,7 +22,8 @@ def notice_once(key: str, message: str) -> bool:
         if key in _seen:
             return False
         _seen.add(key)
-    logger.warning(message)
+    # Messages quote servers and metadata (names, reasons): escaped, line by line.
+    logger.warning("\n".join(safe_lines(message)))
     return True
 
 

@@ -22,7 +22,6 @@ from .errors import (
     HubUnavailable,
     IntegrityError,
     InvalidSpec,
-    OfflineCacheMiss,
     RevisionNotFound,
     VersionNotFound,
 )
@@ -81,10 +80,9 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
     if record is not None and (offline or record.age() < ttl):
         return Resolution(repo_id, ref, record.commit, "record")
     if offline:
-        raise OfflineCacheMiss(
-            f"{repo_id}@{ref}: offline, and this revision was never resolved on this machine",
-            hint=f"run `kernels pull {repo_id}@{ref}` while online, or pin a cached commit",
-        )
+        from .offline import cache_miss  # an error path: kept off the warm load
+
+        raise cache_miss(cache, repo_id, ref, "this revision was never resolved here")
     from . import hub  # the network paths only: a warm load never imports it
 
     try:

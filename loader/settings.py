@@ -7,8 +7,10 @@ same meaning huggingface_hub gives them, so the loader can decide "offline" with
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import stat
 from pathlib import Path
 
 DEFAULT_RESOLVE_TTL = 3600.0
@@ -78,27 +80,45 @@ def allow_pr_revisions() -> bool:
 
 def config_path() -> Path:
     """The user config file: KERNELS_CONFIG, else ~/.config/kernels/config.toml."""
-    explicit = os.environ.get("KERNELS_CONFIG")
+    get = os.environ.get
+    return _config_path(get("KERNELS_CONFIG"), get("XDG_CONFIG_HOME"), get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _config_path(explicit: str | None, xdg: str | None, home: str | None) -> Path:
+    # Keyed by the variables it reads: a warm load asks twice (trust, signature policy).
     if explicit:
         return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CONFIG_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".config"
     return base / "kernels" / "config.toml"
 
 
+_config_memo: tuple[tuple, dict] | None = None
+
+
 def _read_config() -> dict:
-    """The config file's table. It names trusted publishers, so a config file that other users
-    could write is refused (UnsafePermissions), never read."""
+    """The config file's table (read-only: shared between callers). It names trusted
+    publishers, so a config file that other users could write is refused (UnsafePermissions),
+    never read. The parse is reused while the file's stat is unchanged (ctime included, which no
+    program can set back); the permission check runs on every call."""
+    global _config_memo
     path = config_path()
     try:
-        if not path.is_file():
-            return {}
-    except OSError:  # e.g. a HOME this user may not enter: no config it can read, so none
+        st = os.stat(path)
+    except OSError:  # absent, or a HOME this user may not enter: no config it can read, so none
+        return {}
+    if not stat.S_ISREG(st.st_mode):
         return {}
     from .guard import refuse_exposed
 
     refuse_exposed(path, "the kernels config file (it decides whom to trust)")
-    return load_toml(path)
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    memo = _config_memo
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    table = load_toml(path)
+    _config_memo = (key, table)
+    return table
 
 
 def load_toml(path: Path) -> dict:
@@ -154,3 +174,108 @@ def serve_token() -> str | None:
     """KERNELS_SERVE_TOKEN: the token `kernels serve` asks of clients of its request-log routes
     (header X-Mirror-Token); unset, those routes do not exist."""
     return os.environ.get("KERNELS_SERVE_TOKEN") or None
+
+
+def sigstore_trusted_root() -> Path | None:
+    """KERNELS_SIGSTORE_TRUSTED_ROOT: a Sigstore trusted_root.json that signature checks use
+    instead of the public-good root sigstore keeps on disk."""
+    raw = os.environ.get("KERNELS_SIGSTORE_TRUSTED_ROOT")
+    return Path(raw).expanduser() if raw else None
+
+
+# -- the signature policy at load time (loader/signatures.py) -----------------------------------
+
+SIGNATURE_MODES = ("off", "warn", "require")
+SIGNATURE_ENV = "KERNELS_SIGNATURE_POLICY"
+_MODE_HINT = (
+    "use off, warn or require, e.g. KERNELS_SIGNATURE_POLICY=warn or "
+    "KERNELS_SIGNATURE_POLICY='off,kernels-community=require'"
+)
+
+
+def _signature_mode(value: object, where: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in SIGNATURE_MODES:
+        return value.strip().lower()
+    from .errors import InvalidSpec
+
+    raise InvalidSpec(
+        f"{where}: {value!r} is not a signature policy (off, warn or require)", hint=_MODE_HINT
+    )
+
+
+def _signature_rules() -> list[tuple[str | None, dict[str, str], dict[str, str]]]:
+    """(default, {publisher: mode}, {endpoint: mode}) from the environment, then the config."""
+    env_default, env_publishers, env_endpoints = None, {}, {}
+    for item in os.environ.get(SIGNATURE_ENV, "").replace(",", " ").split():
+        key, sep, value = item.rpartition("=")
+        mode = _signature_mode(value, SIGNATURE_ENV)
+        if not sep:
+            env_default = mode
+        elif "://" in key:
+            env_endpoints[key.rstrip("/")] = mode
+        else:
+            env_publishers[key] = mode
+    rules = [(env_default, env_publishers, env_endpoints)]
+    table = _read_config().get("signatures")
+    if table is None:
+        return rules
+    where = f"{config_path()} [signatures]"
+    if not isinstance(table, dict):  # `signatures = "warn"`: the default alone
+        rules.append((_signature_mode(table, where), {}, {}))
+        return rules
+    default = table.get("policy")
+    sections = []
+    for name in ("publishers", "endpoints"):
+        section = table.get(name, {})
+        if not isinstance(section, dict):
+            from .errors import InvalidSpec
+
+            raise InvalidSpec(
+                f"{where}: {name} must be a table of names to off, warn or require",
+                hint=f'e.g. [signatures.{name}] "kernels-community" = "require"',
+            )
+        sections.append(
+            {
+                str(k).rstrip("/"): _signature_mode(v, f"{where} {name}.{k}")
+                for k, v in section.items()
+            }
+        )
+    rules.append(
+        (None if default is None else _signature_mode(default, where), sections[0], sections[1])
+    )
+    return rules
+
+
+def signature_policy(repo_id: str, endpoint_url: str | None = None) -> str:
+    """ "off", "warn" or "require": whether loading `repo_id` from `endpoint_url` (default: the
+    current endpoint) needs a valid Sigstore signature. The most specific rule wins: the
+    publisher (the org of `repo_id`), then the endpoint, then the default; at each level
+    KERNELS_SIGNATURE_POLICY (`mode`, `org=mode`, `https://host=mode`, comma-separated) before
+    the config file's `[signatures]` table (`policy`, `publishers`, `endpoints`). Default "off"."""
+    publisher = repo_id.split("/", 1)[0]
+    where = (endpoint_url or endpoint()).rstrip("/")
+    rules = _signature_rules()  # nothing set and no config file: one stat
+    for level in (lambda r: r[1].get(publisher), lambda r: r[2].get(where), lambda r: r[0]):
+        for rule in rules:
+            mode = level(rule)
+            if mode is not None:
+                return mode
+    return "off"
+
+
+def signature_signers(publisher: str) -> tuple[str, ...]:
+    """The GitHub workflow URIs whose Sigstore certificates sign `publisher`'s kernels
+    (`[signatures.signers]` in the config file: "org" = ["https://github.com/<org>/<repo>/
+    .github/workflows/<file>@<ref>", ...]); empty: the reference's default signers."""
+    table = _read_config().get("signatures")
+    signers = table.get("signers", {}) if isinstance(table, dict) else {}
+    uris = signers.get(publisher, []) if isinstance(signers, dict) else None
+    if not isinstance(uris, list) or not all(isinstance(u, str) for u in uris):
+        from .errors import InvalidSpec
+
+        raise InvalidSpec(
+            f"{config_path()} [signatures.signers]: {publisher!r} must be a list of workflow URIs",
+            hint='e.g. "my-org" = ["https://github.com/my-org/kernels/.github/workflows/'
+            'build.yaml@refs/heads/main"]',
+        )
+    return tuple(uris)

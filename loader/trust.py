@@ -80,9 +80,9 @@ def ensure_trusted(
         return "recorded"
     if offline:
         raise UntrustedPublisher(
-            f"{repo_id}: publisher {publisher!r} is not known to be trusted, and the Hub cannot "
-            "be asked (offline)"
-            + ("; the Hub said it is not trusted when last asked" if record else "")
+            f"{_not_trusted(repo_id)}: publisher {publisher!r} is not known to be trusted at "
+            f"{settings.endpoint()}, and it cannot be asked (offline)"
+            + ("; it said not trusted when last asked" if record else "")
         )
     from . import hub  # asking the Hub: never on a warm load
 
@@ -97,6 +97,12 @@ def ensure_trusted(
         pass
     if not trusted:
         raise UntrustedPublisher(
-            f"{repo_id}: publisher {publisher!r} is not a trusted kernel publisher"
+            f"{_not_trusted(repo_id)}: {publisher!r} is not a trusted kernel publisher at "
+            f"{settings.endpoint()}"
         )
     return "hub"
+
+
+def _not_trusted(repo_id: str) -> str:
+    # The reference's words: its tests and users match "not from a trusted publisher".
+    return f"Kernel repository '{repo_id}' is not from a trusted publisher"

@@ -302,3 +302,26 @@ class TestSigstore:
             },
         }
         return json.dumps(bundle)
+
+
+def sign_variant(
+    sigstore: TestSigstore, files: dict[str, str | bytes], variant: str = "torch-universal", **kw
+) -> dict[str, bytes]:
+    """`files` (repo paths, as GitRepoWriter.commit takes them) with `build/<variant>/
+    metadata.json` given the sha256 digest of the variant's other files, as kernel-builder writes
+    it, and signed by `sigstore` (`metadata.json.sigstore` added; `kw` go to `sign`)."""
+    base = f"build/{variant}/"
+    raw = {p: d.encode() if isinstance(d, str) else d for p, d in files.items()}
+    meta = json.loads(raw[f"{base}metadata.json"])
+    meta["digest"] = {
+        "algorithm": "sha256",
+        "files": {
+            p[len(base) :]: _b64(hashlib.sha256(d).digest())
+            for p, d in sorted(raw.items())
+            if p.startswith(base) and p != f"{base}metadata.json"
+        },
+    }
+    data = json.dumps(meta).encode()
+    raw[f"{base}metadata.json"] = data
+    raw[f"{base}metadata.json.sigstore"] = sigstore.sign(data, **kw).encode()
+    return raw

@@ -340,6 +340,73 @@ def test_messages_callers_match(hub, versions):
         FuncRepository(REPO, func_name="relu", version=1)
 
 
+# The reference's own tests of three messages (kernels/tests/test_basic.py, test_resolver.py,
+# test_func.py at its `main`), ported as they are: same calls, same `match=`. The repos they
+# name are served by `kernels serve` here; this package's hint line must still follow.
+
+
+def test_reference_trust_remote_code_blocks_untrusted_org(hub, versions, monkeypatch):
+    # test_basic.py::test_trust_remote_code_blocks_untrusted_org (and test_resolver.py's
+    # test_hub_resolver_blocks_untrusted_org, the same check through its resolver class)
+    hub.writer("kernels-test-untrusted/not-a-trused-org-kernel").commit(
+        kernel_files(name="untrusted"), branch="v1"
+    )
+    with pytest.raises(ValueError, match=r"not from a trusted publisher") as err:
+        get_kernel("kernels-test-untrusted/not-a-trused-org-kernel", version=1)
+    assert "\nhint: " in str(err.value)
+    # Offline, a cached kernel of the org (installed with trust_remote_code=True): the same
+    # words, from the decision recorded when the endpoint was asked.
+    lock = _commit_only_lock(hub, "kernels-test-untrusted/not-a-trused-org-kernel")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"not from a trusted publisher"):
+        kernels.get_locked_kernel("kernels-test-untrusted/not-a-trused-org-kernel", lockfile=lock)
+
+
+def _commit_only_lock(hub, repo_id: str) -> Path:
+    """A reference-format lock of `repo_id` at a new v2 commit, whose files this cache holds."""
+    commit = hub.writer(repo_id).commit(kernel_files(name="untrusted", value=3), branch="v2")
+    kernels.install_kernel(repo_id, revision=commit, trust_remote_code=True)
+    lock = hub.root.parent / "kernels.lock"
+    dep = {"dependency": {"repo-id": repo_id, "version": 2}, "lock": {"commit": commit}}
+    lock.write_text(json.dumps([dep]))
+    return lock
+
+
+def test_reference_install_kernel_offline_uncached_revision(hub, monkeypatch):
+    # test_basic.py::test_install_kernel_offline_uncached_revision (and test_resolver.py's
+    # test_hub_cache_resolver_uncached_repo)
+    with pytest.raises(FileNotFoundError, match=r"local snapshot") as err:
+        install_kernel(
+            "kernels-test/this-repo-should-not-exist",
+            revision="0000000000000000000000000000000000000000",
+            local_files_only=True,
+        )
+    assert "\nhint: " in str(err.value)
+    # The same words from every offline miss: a revision never resolved, a commit not cached.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"local snapshot.*offline mode"):
+        get_kernel("kernels-test/this-repo-should-not-exist", version=1)
+    with pytest.raises(FileNotFoundError, match=r"local snapshot"):
+        get_kernel("kernels-test/this-repo-should-not-exist", revision="0" * 40)
+
+
+def test_reference_use_kernelized_func_used_on_non_kernelized_func():
+    # test_func.py::test_use_kernelized_func_used_on_non_kernelized_func
+    from kernels import use_kernelized_func
+
+    def not_kernelized(x):
+        return x
+
+    with pytest.raises(ValueError, match="Function `not_kernelized` is not decorated") as err:
+
+        @use_kernelized_func(not_kernelized)
+        class NotKernelized(torch.nn.Module):
+            def forward(self, x: torch.Tensor):
+                return not_kernelized(x)
+
+    assert "\nhint: " in str(err.value)
+
+
 # -- 9. dirty builds -------------------------------------------------------------------------
 
 
@@ -447,10 +514,19 @@ def test_verify_digest(tmp_path):
     from kernels.verify import VerificationResult, verify_digest, verify_variant
 
     folder = _digest_variant(tmp_path, {"_extension.so": HELLO_SHA256})
-    (folder / "__pycache__").mkdir()
-    (folder / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"ignored")
-    (folder / "stray.pyc").write_bytes(b"ignored too")
     assert verify_digest(folder) == VerificationResult.Success()
+    # Bytecode is importable and no digest covers it: here a violation (the reference skips it;
+    # docs/compatibility.md). An empty __pycache__ is nothing.
+    (folder / "__pycache__").mkdir()
+    assert verify_digest(folder) == VerificationResult.Success()
+    (folder / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"unverified")
+    (folder / "stray.pyc").write_bytes(b"unverified too")
+    assert [(v.kind, v.path) for v in verify_digest(folder).violations] == [
+        ("bytecode", "__pycache__/x.cpython-311.pyc"),
+        ("bytecode", "stray.pyc"),
+    ]
+    (folder / "__pycache__" / "x.cpython-311.pyc").unlink()
+    (folder / "stray.pyc").unlink()
 
     (folder / "_extension.so").write_bytes(b"hello world!")
     (folder / "extra.py").write_text("x = 1\n")

@@ -146,6 +146,8 @@ JSON_RUNS = {
     "prune": "kernels prune --dry-run --json",
     "lock": "kernels lock proj --json",
     "sync": "kernels sync proj --json",
+    "download": "kernels download proj --json",
+    "verify-signature": "kernels verify-signature kernels-lab/activation 1 --filter-unsigned --json",
     "info": "kernels info kernels-lab/training@v1 --json",
     "versions": "kernels versions kernels-lab/activation --json",
     "env": "kernels env --json",
@@ -156,7 +158,7 @@ JSON_RUNS = {
 
 def _documented_keys(text: str) -> dict[str, list[str]]:
     """command -> the top-level keys its row in the `--json` table lists."""
-    rows = re.findall(r"^\| `([a-z ]+)` \| `([a-z0-9_, ]+)` \|", text, re.M)
+    rows = re.findall(r"^\| `([a-z -]+)` \| `([a-z0-9_, ]+)` \|", text, re.M)
     return {command: [k.strip() for k in keys.split(",")] for command, keys in rows}
 
 

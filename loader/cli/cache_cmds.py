@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..safe_text import safe_text
 from .common import human_size
 
 
@@ -67,7 +68,8 @@ def run_ls(args: argparse.Namespace) -> int:
     for row in rows:
         ref = f" ({', '.join(row['refs'])})" if row["refs"] else ""
         print(
-            f"{row['repo_id']}@{row['commit'][:12]}{ref}  {row['variant']}  {row['files']} files  {human_size(row['bytes'])}"
+            safe_text(f"{row['repo_id']}@{row['commit'][:12]}{ref}  {row['variant']}")
+            + f"  {row['files']} files  {human_size(row['bytes'])}"
         )
     return 0
 
@@ -115,8 +117,10 @@ def run_verify(args: argparse.Namespace) -> int:
     if exposure is not None:
         # Stamps prove nothing when others can rewrite them: re-hash, and say why loads refuse.
         print(
-            f"UNSAFE {exposure.path} is {exposure.why}: loads refuse this cache; "
-            f"run `{exposure.fix()}`",
+            safe_text(
+                f"UNSAFE {exposure.path} is {exposure.why}: loads refuse this cache; "
+                f"run `{exposure.fix()}`"
+            ),
             file=sys.stderr if args.json else sys.stdout,
         )
         args.all = True
@@ -139,11 +143,12 @@ def run_verify(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, sort_keys=True))
     else:
+        # File names are the server's: escaped, so a name cannot rewrite the line.
         for row in corrupt:
             where = f"{row['repo_id']}@{row['commit'][:12]}/{row['variant']}"
-            print(f"CORRUPT {where}: {', '.join(row['files'])}")
+            print(f"CORRUPT {safe_text(where)}: {', '.join(map(safe_text, row['files']))}")
         for row in repaired:
-            print(f"repaired {row['repo_id']}@{row['commit'][:12]}/{row['variant']}")
+            print(safe_text(f"repaired {row['repo_id']}@{row['commit'][:12]}/{row['variant']}"))
     if exposure is not None:
         if not args.json:
             print(

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..safe_text import safe_text
 from .common import add_backend_arguments, human_size, plural
 
 
@@ -131,13 +132,17 @@ def run_info(args: argparse.Namespace) -> int:
             out["metadata"] = meta.raw
         print(json.dumps(out, sort_keys=True))
         return 0
-    print(info["source"])
+    # Names, metadata and reasons are the publisher's or the server's words: escaped.
+    print(safe_text(info["source"]))
     if meta is not None:
         print(
-            f"  name {meta.name}, version {meta.version}, license {meta.license}, backend {meta.backend_type}"
+            safe_text(
+                f"  name {meta.name}, version {meta.version}, license {meta.license}, "
+                f"backend {meta.backend_type}"
+            )
         )
         if meta.python_depends:
-            print(f"  python depends: {', '.join(meta.python_depends)}")
+            print(safe_text(f"  python depends: {', '.join(meta.python_depends)}"))
     native = _native_variants(listing)
     for entry in info["trace"]:
         extra = ""
@@ -146,7 +151,7 @@ def run_info(args: argparse.Namespace) -> int:
             extra = f"  [{plural(len(files), 'file')}, {human_size(sum(f.size for f in files))}]"
         if entry.variant in unprobed and entry.variant in native:
             extra += "  (native libraries not probed: `kernels pull` checks them)"
-        print(f"  {entry}{extra}")
+        print(f"  {safe_text(entry)}{extra}")
     return 0
 
 
@@ -209,7 +214,9 @@ def run_versions(args: argparse.Namespace) -> int:
             source = settings.endpoint()
         except HubUnavailable as exc:
             # Like a load, an unreachable Hub falls back to what this machine knows.
-            print(f"warning: {exc.message}; listing what the cache knows", file=sys.stderr)
+            print(
+                f"warning: {safe_text(exc.message)}; listing what the cache knows", file=sys.stderr
+            )
             offline = True
     if versions is None:
         # What this machine has resolved before.
@@ -239,15 +246,15 @@ def run_versions(args: argparse.Namespace) -> int:
         print(json.dumps({"repo_id": repo_id, "source": source, "versions": rows}, sort_keys=True))
         return 0
     if not rows:
-        print(f"{repo_id}: no v<N> version branches ({source})")
+        print(safe_text(f"{repo_id}: no v<N> version branches ({source})"))
         return 0
-    print(f"{repo_id} ({source})")
+    print(safe_text(f"{repo_id} ({source})"))
     for row in rows:
         if "error" in row:
-            print(f"  v{row['version']}  {row['commit'][:12]}  error: {row['error']}")
+            print(safe_text(f"  v{row['version']}  {row['commit'][:12]}  error: {row['error']}"))
             continue
         fit = row["variant"] or "no compatible variant here"
-        print(f"  v{row['version']}  {row['commit'][:12]}  -> {fit}")
+        print(safe_text(f"  v{row['version']}  {row['commit'][:12]}  -> {fit}"))
     return 0
 
 
@@ -306,19 +313,54 @@ def run_env(args: argparse.Namespace) -> int:
         "config": str(settings.config_path()),
         "trusted_publishers": sorted(settings.trusted_publishers()),
         "cached_kernels": selections,
+        "cached_other_endpoints": _cached_elsewhere(cache),
     }
     if args.json:
         print(json.dumps(env, sort_keys=True))
         return 0
+    elsewhere = env.pop("cached_other_endpoints")
     for key, value in env.items():
         if key == "cached_kernels":
             print("cached kernels (variant this machine would select):")
             for s in value:
                 print(
-                    f"  {s['repo_id']}@{s['ref']} ({s['commit'][:12]}) -> {s['variant'] or 'none compatible'}"
+                    safe_text(
+                        f"  {s['repo_id']}@{s['ref']} ({s['commit'][:12]}) -> "
+                        f"{s['variant'] or 'none compatible'}"
+                    )
                 )
             if not value:
-                print("  none")
+                print("  none at this endpoint" if elsewhere else "  none")
         else:
-            print(f"{key}: {value}")
+            print(f"{key}: {safe_text(value)}")
+    if elsewhere:
+        # `kernels ls` lists these too: say why a load at this endpoint does not use them.
+        print(
+            "cached from other endpoints (used here by a kernels.lock with digests, "
+            "or with HF_ENDPOINT set to theirs):"
+        )
+        for row in elsewhere:
+            print(
+                safe_text(
+                    f"  {row['repo_id']}@{row['commit'][:12]} ({', '.join(row['variants'])}) "
+                    f"from {', '.join(row['endpoints'])}"
+                )
+            )
     return 0
+
+
+def _cached_elsewhere(cache) -> list[dict]:
+    """Commits installed in this cache only from endpoints other than the current one."""
+    from ..fetch import valid_install_key
+
+    variants: dict[tuple[str, str], list[str]] = {}
+    for repo, commit, variant, _tree in cache.all_index.entries():
+        if valid_install_key(repo, commit, variant):  # never echo a malformed entry
+            variants.setdefault((repo, commit), []).append(variant)
+    rows = []
+    for (repo, commit), names in sorted(variants.items()):
+        if cache.index.installed_variants(repo, commit):
+            continue  # usable at this endpoint: listed above when a revision names it
+        endpoints = cache.all_index.variant_endpoints(repo, commit)
+        rows.append({"repo_id": repo, "commit": commit, "variants": names, "endpoints": endpoints})
+    return rows

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..safe_text import safe_text
 from .common import add_backend_arguments, plural, progress_bar
 
 _DEPS_EXAMPLE = (
@@ -74,8 +75,8 @@ def run_lock(args: argparse.Namespace) -> int:
         variants = entry.variants or {}
         files = sum(len(v) for v in variants.values())
         print(
-            f"locked {entry.repo_id} {entry.requested} -> {entry.commit[:12]} "
-            f"({plural(len(variants), 'variant')}, {plural(files, 'file')})"
+            safe_text(f"locked {entry.repo_id} {entry.requested} -> {entry.commit[:12]}")
+            + f" ({plural(len(variants), 'variant')}, {plural(files, 'file')})"
         )
     if not lock.entries:
         print(
@@ -121,7 +122,7 @@ def run_sync(args: argparse.Namespace) -> int:
             raise LockfileError(message, hint="run `kernels lock` and commit kernels.lock")
         # Unlike uv, sync never re-locks behind the user's back: it installs the lock as written
         # and says loudly that it no longer matches what the project asks for.
-        print(f"warning: {message}", file=sys.stderr)
+        print(f"warning: {safe_text(message)}", file=sys.stderr)
         print(
             "hint: run `kernels lock` to update it (`kernels sync --frozen` makes this an error)",
             file=sys.stderr,
@@ -153,7 +154,8 @@ def run_sync(args: argparse.Namespace) -> int:
                 }
             )
             if not args.json:
-                print(f"synced {entry.repo_id}@{entry.commit[:12]} ({', '.join(names)}): {verdict}")
+                synced = f"synced {entry.repo_id}@{entry.commit[:12]} ({', '.join(names)})"
+                print(f"{safe_text(synced)}: {verdict}")
     if args.json:
         out = {"lockfile": str(lock_path), "stale": problems, "kernels": rows}
         print(json.dumps(out, sort_keys=True))

@@ -25,9 +25,14 @@ COMMANDS = {
     "pull": ("pull", "download and verify a kernel into the cache"),
     "lock": ("lock", "write kernels.lock from pyproject.toml [tool.kernels.dependencies]"),
     "sync": ("lock", "install exactly what kernels.lock says and verify it"),
+    "download": ("download", "install what PROJECT_DIR/kernels.lock pins (the reference's name)"),
     "ls": ("cache_cmds", "list cached kernels"),
     "du": ("cache_cmds", "show the cache's disk usage"),
     "verify": ("cache_cmds", "check cached files against their digests (--repair re-fetches)"),
+    "verify-signature": (
+        "verify_signature",
+        "check a kernel version's Sigstore signature and its files against the signed digest",
+    ),
     "prune": ("cache_cmds", "remove cached files nothing references"),
     "info": ("info", "describe a kernel (Hub repo or local path)"),
     "versions": ("info", "list a kernel's versions and which variant fits here"),
@@ -58,7 +63,8 @@ def _subparser(name: str) -> argparse.ArgumentParser:
     module_name, help_text = COMMANDS[name]
     module = importlib.import_module(f".{module_name}", __package__)
     parser = argparse.ArgumentParser(prog=f"kernels {name}", description=help_text)
-    getattr(module, f"add_{name}_arguments")(parser)
+    function = name.replace("-", "_")
+    getattr(module, f"add_{function}_arguments")(parser)
     noise = parser.add_mutually_exclusive_group()
     noise.add_argument(
         "-q", "--quiet", action="store_true", help="print nothing but errors and warnings"
@@ -69,7 +75,7 @@ def _subparser(name: str) -> argparse.ArgumentParser:
         action="store_true",
         help="also say how things were decided, to stderr (e.g. pull: every variant's verdict)",
     )
-    parser.set_defaults(_run=getattr(module, f"run_{name}"))
+    parser.set_defaults(_run=getattr(module, f"run_{function}"))
     return parser
 
 
@@ -157,20 +163,26 @@ def _check_cache_root() -> None:
 def report_error(exc: BaseException) -> int:
     """Print a KernelsError as `error:` + `hint:` in CLI terms; return the exit status."""
     from ..errors import InvalidSpec, KernelsError
+    from ..safe_text import safe_lines, safe_text
     from .hints import cli_hint
 
     if os.environ.get("KERNELS_DEBUG"):
         raise exc
+    # Messages carry server-chosen text (file names, error bodies): each line is escaped, and
+    # only a newline starts a new one (a CR inside a name must not).
     if isinstance(exc, KernelsError):
-        lines = exc.message.splitlines()
+        lines = safe_lines(exc.message)
         print(f"error: {lines[0]}", file=sys.stderr)
         for line in lines[1:]:
             print(f"  {line}", file=sys.stderr)
         hint = cli_hint(exc)
         if hint:
-            print(f"hint: {hint}", file=sys.stderr)
+            print(f"hint: {safe_text(hint)}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, InvalidSpec) else EXIT_FAIL
-    print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    lines = safe_lines(f"{type(exc).__name__}: {exc}")
+    print(f"error: {lines[0]}", file=sys.stderr)
+    for line in lines[1:]:
+        print(f"  {line}", file=sys.stderr)
     print(
         "hint: this looks like a bug in kernels; rerun with KERNELS_DEBUG=1 and report it",
         file=sys.stderr,

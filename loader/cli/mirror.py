@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from ..safe_text import safe_text
+
 _SRC_HINT = "give the folder that holds <org>/<name>/build/<variant>/ (e.g. hub_kernels)"
 
 
@@ -59,9 +61,14 @@ def run_mirror(args: argparse.Namespace) -> int:
     else:
         for b in built:
             state = "updated" if b.changed else "unchanged"
-            print(f"{b.repo_id}  v{b.version}  {b.commit[:12]}  {state}")
+            # Folder names come from SRC, which someone else may have written: escaped.
+            print(safe_text(f"{b.repo_id}  v{b.version}  {b.commit[:12]}  {state}"))
         if trusted is not None:
-            print(f"trusted publishers: {', '.join(trusted) or '(none)'} ({dest / CONFIG_NAME})")
+            print(
+                safe_text(
+                    f"trusted publishers: {', '.join(trusted) or '(none)'} ({dest / CONFIG_NAME})"
+                )
+            )
         print(f"built {len(built)} repos in {dest}; serve them with `kernels serve {dest}`")
         sys.stdout.flush()
     if trusted is None and (src / CONFIG_NAME).is_file():

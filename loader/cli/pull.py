@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ..safe_text import safe_text
 from .common import add_backend_arguments, human_size, progress_bar, spec_with_default_ref
 
 
@@ -42,9 +43,11 @@ def _report(rows: list[dict], as_json: bool) -> None:
             print(json.dumps(row, sort_keys=True))
             continue
         # A skipped variant was already reported on stderr by the loader's notice.
+        repo, commit, requested = (safe_text(row[k]) for k in ("repo_id", "commit", "requested"))
         print(
-            f"{row['repo_id']}@{row['commit'][:12]} ({row['requested']}) -> {row['variant']}\n"
-            f"  {row['files']} files, {human_size(row['bytes'])}, verified\n  {row['path']}"
+            f"{repo}@{commit[:12]} ({requested}) -> {safe_text(row['variant'])}\n"
+            f"  {row['files']} files, {human_size(row['bytes'])}, verified\n"
+            f"  {safe_text(row['path'])}"
         )
 
 
@@ -63,9 +66,10 @@ def _skipped(found, backend: str | None) -> list[dict]:
 def _explain(found) -> None:
     """-v: how the variant was chosen, every variant with its verdict, to stderr."""
     r = found.resolution
-    print(f"{r.repo_id}@{r.ref} -> {r.commit} (from {r.source}); variants:", file=sys.stderr)
-    for entry in found.trace:
-        print(f"  {entry}", file=sys.stderr)
+    where = f"{r.repo_id}@{r.ref} -> {r.commit} (from {r.source})"
+    print(f"{safe_text(where)}; variants:", file=sys.stderr)
+    for entry in found.trace:  # reasons quote the server's metadata
+        print(f"  {safe_text(entry)}", file=sys.stderr)
 
 
 def _row(repo_id: str, requested: str, found, backend: str | None = None) -> dict:

@@ -84,8 +84,11 @@ def use_kernelized_func(*fns: Any) -> Callable[[type[T]], type[T]]:
     kernelize binds kernels for them per instance (see kernels.layers.funcs)."""
     for fn in fns:
         if not isinstance(fn, KernelFunction):
+            name = getattr(fn, "__name__", None) or repr(fn)
+            # The reference's words: its tests and users match "Function `f` is not decorated".
             raise LayerError(
-                f"use_kernelized_func got {fn!r}, which is not decorated with use_kernel_forward_from_hub",
+                f"Function `{name}` is not decorated with @use_kernel_forward_from_hub and "
+                "cannot be used with @use_kernelized_func",
                 hint="decorate the function with @use_kernel_forward_from_hub(name) first",
             )
 

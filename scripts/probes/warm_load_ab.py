@@ -7,7 +7,10 @@ tree's hub_kernels/; each has its own warm cache. Prints the median and minimum 
 On a shared machine the minimum is the steadier figure: other jobs only ever add time; the load
 average before and after is printed so a noisy run can be told from a quiet one.
 
-    python scripts/probes/warm_load_ab.py 55eda33 [--runs 20]
+    python scripts/probes/warm_load_ab.py 55eda33 [--runs 20] [--locked]
+
+With --locked it times `get_locked_kernel` from a kernels.lock (written once by this tree's
+`kernels lock`) instead.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ CODE = (
     "import time, torch; import kernels; t = time.perf_counter(); "
     "kernels.get_kernel('kernels-lab/activation', version=1); print(time.perf_counter() - t)"
 )
+LOCKED_CODE = (
+    "import time, torch; import kernels; t = time.perf_counter(); "
+    "kernels.get_locked_kernel('kernels-lab/activation', lockfile='project/kernels.lock'); "
+    "print(time.perf_counter() - t)"
+)
+CLI = "import sys; from kernels.cli.main import main; sys.exit(main())"
 
 
 def tree(rev: str, dest: Path) -> Path:
@@ -50,7 +59,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", help="the older commit")
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--locked", action="store_true", help="time get_locked_kernel instead")
     args = parser.parse_args()
+    code = LOCKED_CODE if args.locked else CODE
     work = Path(tempfile.mkdtemp(prefix="warm-ab-"))
     shims = {args.base: tree(args.base, work / "base"), "HEAD": tree("HEAD", work / "head")}
     sys.path.insert(0, str(shims["HEAD"]))
@@ -73,14 +84,28 @@ def main() -> int:
             HF_HUB_DISABLE_TELEMETRY="1",
         )
         envs[name] = env
-        subprocess.run([sys.executable, "-c", CODE], env=env, check=True, cwd=work)  # cold
+    if args.locked:
+        project = work / "project"
+        project.mkdir()
+        (project / "pyproject.toml").write_text(
+            '[tool.kernels.dependencies]\n"kernels-lab/activation" = 1\n'
+        )
+        lock = [sys.executable, "-c", CLI, "lock", str(project)]
+        subprocess.run(lock, env=envs["HEAD"], check=True, cwd=work, capture_output=True)
+    for env in envs.values():
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=work)  # cold
     times: dict[str, list[float]] = {name: [] for name in envs}
     load_before = _loadavg()
     for _ in range(args.runs):
         for name, env in envs.items():
             before = len(server.requests)
             out = subprocess.run(
-                [sys.executable, "-c", CODE], env=env, check=True, capture_output=True, text=True
+                [sys.executable, "-c", code],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=work,
             )
             assert len(server.requests) == before, f"{name}: a warm load made requests"
             times[name].append(float(out.stdout.strip().splitlines()[-1]))

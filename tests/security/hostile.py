@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from socketserver import TCPServer
+from urllib.parse import unquote
 
 import pytest
 from kernels.cache import Cache
@@ -183,7 +184,7 @@ class KernelRepo:
         )
 
         def body(_seen: Seen, match: re.Match) -> Reply:
-            data = self.files.get(match.group(1))
+            data = self.files.get(unquote(match.group(1)))  # the client quotes odd names
             if data is None:
                 return not_found()
             return Reply(200, {"X-Repo-Commit": self.commit}, data)

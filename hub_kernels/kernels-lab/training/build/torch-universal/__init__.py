@@ -32,6 +32,18 @@ from .loss_layers import ForCausalLMLoss  # noqa: E402
 
 __all__ += ["cross_entropy", "fused_linear_cross_entropy", "ForCausalLMLoss"]
 
+# Post-training: the fused linear log-prob head and the distillation divergences (drop-ins for
+# TRL's ChunkedLogProbFunction and ChunkedDivergenceFunction).
+from .divergence import fused_linear_divergence, trl_chunked_divergence  # noqa: E402
+from .logprob import fused_linear_logprob, trl_chunked_logprob  # noqa: E402
+
+__all__ += [
+    "fused_linear_divergence",
+    "fused_linear_logprob",
+    "trl_chunked_divergence",
+    "trl_chunked_logprob",
+]
+
 # Parallelism: the vocab-parallel loss of a tensor-parallel head (DTensors are routed to it by
 # fused_linear_cross_entropy too) and the global token count of a context-parallel loss.
 from .context_parallel import token_count  # noqa: E402
