@@ -148,6 +148,12 @@ VP_CASES = {
 }
 
 
+LOGPROB_CASES = {
+    "logprob": {},
+    "logprob_transform": {"temperature": 0.7, "softcap": 3.0, "logit_scale": 1.3, "bias": True},
+}
+
+
 def vocab_parallel(*, out: Path, vocab: int = 101, **_) -> dict:
     """fused_linear_cross_entropy with the head's weight (and bias) a Shard(0) DTensor over all
     ranks, every option the vocab-parallel path takes; the inputs are returned for the test's
@@ -185,10 +191,33 @@ def vocab_parallel(*, out: Path, vocab: int = 101, **_) -> dict:
             "local_rows": w.to_local().shape[0],
             "db": None if b is None else b.grad.full_tensor(),
         }
+    # the fused log-prob head (logprob.py), every field, both gradients
+    up_ent = torch.randn(n, generator=gen)
+    results["up_ent"] = up_ent
+    for case, opts in LOGPROB_CASES.items():
+        opts = dict(opts)
+        x = hidden.clone().requires_grad_()
+        w = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+        b = (
+            distribute_tensor(bias.clone(), mesh, [Shard(0)]).requires_grad_()
+            if opts.pop("bias", False)
+            else None
+        )
+        got = kt.fused_linear_logprob(x, w, target, b, outputs=kt.logprob.OUTPUTS, **opts)
+        torch.autograd.backward([got.log_probs, got.entropy], [upstream, up_ent])
+        results[case] = {
+            **{f: getattr(got, f).detach() for f in got._fields},
+            "dx": x.grad,
+            "dw": w.grad.full_tensor(),
+            "db": None if b is None else b.grad.full_tensor(),
+        }
     # ranks handed different tokens (data parallelism): a NaN loss, never a silently wrong one
     x = (hidden + dist.get_rank()).requires_grad_()
     w = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
-    results["differs"] = {"loss": kt.fused_linear_cross_entropy(x, w, target).detach()}
+    results["differs"] = {
+        "loss": kt.fused_linear_cross_entropy(x, w, target).detach(),
+        "log_probs": kt.fused_linear_logprob(x, w, target).log_probs.detach(),
+    }
     return results
 
 

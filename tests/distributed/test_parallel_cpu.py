@@ -129,8 +129,36 @@ def _reference_ce(res: dict, opts: dict) -> dict:
     return {"loss": loss, "dx": x.grad, "dw": w.grad, "db": None if b is None else b.grad}
 
 
+def _reference_logprob(res: dict, opts: dict) -> dict:
+    """float64 log-prob head of the saved inputs with TRL's transform (written here)."""
+    opts = dict(opts)
+    x = res["hidden"].double().requires_grad_()
+    w = res["weight"].double().requires_grad_()
+    b = res["bias"].double().requires_grad_() if opts.pop("bias", False) else None
+    target = res["target"]
+    y = (x @ w.T + (0 if b is None else b)) * opts.get("logit_scale", 1.0)
+    cap = opts.get("softcap")
+    z = (cap * torch.tanh(y / cap) if cap else y) / opts.get("temperature", 1.0)
+    keep = target != -100
+    log_z = torch.logsumexp(z, -1)
+    logp = z - log_z[:, None]
+    p = logp.exp()
+    zy = z.gather(1, torch.where(keep, target, 0)[:, None])[:, 0]
+    lp = torch.where(keep, zy - log_z, 0.0)
+    ent = torch.where(keep, log_z - (p * z).sum(-1), 0.0)
+    torch.autograd.backward([lp, ent], [res["up"].double(), res["up_ent"].double()])
+    first_max = z.argmax(-1) == target
+    return {
+        "log_probs": lp, "entropy": ent,
+        "log_sum_sq_probs": torch.where(keep, torch.log((p * p).sum(-1)), 0.0),
+        "mean_logits": torch.where(keep, z.mean(-1), 0.0),
+        "is_top1": keep & first_max,
+        "dx": x.grad, "dw": w.grad, "db": None if b is None else b.grad,
+    }  # fmt: skip
+
+
 def check_vocab_parallel(ranks: list[dict]) -> None:
-    from tests.distributed.scenarios import VP_CASES
+    from tests.distributed.scenarios import LOGPROB_CASES, VP_CASES
 
     world = len(ranks)
     for case, opts in VP_CASES.items():
@@ -147,7 +175,20 @@ def check_vocab_parallel(ranks: list[dict]) -> None:
                     continue
                 err = rel_err(got[key], ref[key])
                 assert err <= FP32, f"{case} rank {r} {key}: {err:.2e}"
-        assert all(torch.isnan(res["differs"]["loss"]) for res in ranks)
+    for case, opts in LOGPROB_CASES.items():
+        ref = _reference_logprob(ranks[0], opts)
+        for r, res in enumerate(ranks):
+            got = res[case]
+            assert torch.equal(got["is_top1"], ref["is_top1"]), (case, r)
+            for key, want in ref.items():
+                if key == "is_top1" or want is None:
+                    assert want is not None or got[key] is None
+                    continue
+                err = rel_err(got[key], want)
+                assert err <= FP32, f"{case} rank {r} {key}: {err:.2e}"
+    for res in ranks:
+        assert torch.isnan(res["differs"]["loss"])
+        assert torch.isnan(res["differs"]["log_probs"]).all()
 
 
 def test_vocab_parallel_loss_matches_float64_on_every_rank(two_ranks):
@@ -155,9 +196,11 @@ def test_vocab_parallel_loss_matches_float64_on_every_rank(two_ranks):
 
 
 def test_ranks_holding_different_tokens_get_a_nan_loss(two_ranks):
-    """The vocab-parallel loss needs the same tokens on every rank; a data-parallel misuse
+    """The vocab-parallel heads need the same tokens on every rank; a data-parallel misuse
     (an FSDP2 shard read outside its hooks) is loud, not silently wrong."""
-    assert all(torch.isnan(res["differs"]["loss"]) for res in two_ranks["vp"])
+    for res in two_ranks["vp"]:
+        assert torch.isnan(res["differs"]["loss"])
+        assert torch.isnan(res["differs"]["log_probs"]).all()
 
 
 def check_memory(ranks: list[dict], gathered: list[dict]) -> None:
