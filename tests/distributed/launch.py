@@ -29,9 +29,16 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    world: int, scenarios: list[dict], tmp: Path, *, interpret: bool = True, timeout: int = 900
+    world: int,
+    scenarios: list[dict],
+    tmp: Path,
+    *,
+    interpret: bool = True,
+    timeout: int = 900,
+    backend: str = "gloo",
 ) -> dict[str, list[dict]]:
-    """Run `scenarios` (dicts with at least "name" and "kind") on `world` ranks."""
+    """Run `scenarios` (dicts with at least "name" and "kind") on `world` ranks (`backend`
+    "nccl": one GPU per rank)."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec = tmp / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
@@ -45,6 +52,7 @@ def run_ranks(
         DS_ACCELERATOR="cpu",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
+        KERNELS_TEST_BACKEND=backend,
     )
     env["TRITON_INTERPRET"] = "1" if interpret else "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

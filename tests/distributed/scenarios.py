@@ -373,6 +373,58 @@ def vocab_parallel_memory(*, out: Path, gather: bool = False, **_) -> dict:
     }
 
 
+def vocab_parallel_bf16(
+    *, out: Path, n: int = 4096, h: int = 2048, v: int = 151936, device: str = "cuda", **_
+) -> dict:
+    """The vocab-parallel loss in bf16 at Qwen3's vocabulary on this rank's GPU (NCCL), against
+    the single-device fused loss on the full weight on the same device; on a GPU also the extra
+    memory the vocab-parallel call peaks at (allocator statistics), with 256-row chunks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    kt = _kernels()
+    cuda = device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(n, h, generator=gen).to(dev, torch.bfloat16)
+    weight = (torch.randn(v, h, generator=gen) * 0.02).to(dev, torch.bfloat16)
+    target = torch.randint(0, v, (n,), generator=gen).to(dev)
+    target[::7] = -100
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    ref = kt.fused_linear_cross_entropy(x, w, target)
+    ref.backward()
+    ref_dx, ref_dw = x.grad, w.grad
+    del x, w
+    wd = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+    x = hidden.clone().requires_grad_()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    loss = kt.fused_linear_cross_entropy(x, wd, target, chunk_rows=256)
+    loss.backward()
+    peak = None
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    dw = wd.grad.full_tensor()
+
+    def err(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    return {
+        "loss": float(loss),
+        "ref_loss": float(ref),
+        "dx_err": err(x.grad, ref_dx),
+        "dw_err": err(dw, ref_dw),
+        "peak": peak,
+        "full_weight_bytes": v * h * 2,
+        "full_logits_bytes": n * v * 2,
+    }
+
+
 # -- context parallel --------------------------------------------------------------------------
 
 

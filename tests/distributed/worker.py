@@ -1,6 +1,6 @@
 """One rank of a distributed CPU test: ``python -m tests.distributed.worker SPEC OUT``.
 
-Joins the gloo group from the environment (launch.py sets it), runs each scenario of the JSON
+Joins the process group (gloo, or KERNELS_TEST_BACKEND) from the environment (launch.py sets it), runs each scenario of the JSON
 list SPEC with the function of its "kind" in scenarios.py, and saves its result as
 ``OUT/<name>.rank<r>.pt``. Leaves with os._exit: tearing gloo down while DTensor meshes and
 DeepSpeed still hold it can abort a rank after its work is done.
@@ -21,7 +21,10 @@ def main(spec: str, out: str) -> int:
 
     print(f"imports: {time.process_time():.1f} s CPU", flush=True)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    backend = os.environ.get("KERNELS_TEST_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
     from tests.distributed import scenarios
 
     rank = dist.get_rank()
