@@ -64,7 +64,10 @@ def _dtensor_type():
 def is_vocab_sharded(weight: torch.Tensor) -> bool:
     """Whether `weight` is a DTensor split by rows (``Shard(0)``) over a one-dimensional mesh of
     more than one rank: the layout this module serves."""
-    if not isinstance(weight, _dtensor_type()) or weight.device_mesh.ndim != 1:
+    # the name first: a plain tensor never imports torch.distributed.tensor
+    if type(weight).__name__ != "DTensor" or not isinstance(weight, _dtensor_type()):
+        return False
+    if weight.device_mesh.ndim != 1:
         return False
     from torch.distributed.tensor import Shard
 
