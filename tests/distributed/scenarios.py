@@ -10,6 +10,7 @@ each rank's loss and gradients are checked, not only rank 0's. Gradients are ret
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -280,6 +281,19 @@ def dtensor_ops(*, out: Path, **_) -> dict:
                 "dw": wp.grad.clone(),
                 "collectives": seen.seen,
             }
+    # the fused residual add + RMSNorm with tokens split (sequence parallel)
+    r = torch.randn(n, h, generator=gen)
+    xd = distribute_tensor(x.clone(), mesh, [Shard(0)]).requires_grad_()
+    rd = distribute_tensor(r.clone(), mesh, [Shard(0)]).requires_grad_()
+    wp = torch.nn.Parameter(w.clone())
+    with _Collectives() as seen:
+        y, total = kt.fused_add_rms_norm(xd, rd, wp, 1e-6)
+        y.backward(distribute_tensor(dy.clone(), mesh, [Shard(0)]))
+    res["add_norm"] = {
+        "r": r, "y": y.full_tensor().detach(), "s": total.full_tensor().detach(),
+        "dx": xd.grad.full_tensor(), "dr": rd.grad.full_tensor(), "dw": wp.grad.clone(),
+        "collectives": seen.seen,
+    }  # fmt: skip
     b, heads, t, d = 2, 4, 6, 8
     q = torch.randn(b, heads, t, d, generator=gen)
     k = torch.randn(b, heads, t, d, generator=gen)
@@ -359,11 +373,19 @@ def vocab_parallel_memory(*, out: Path, gather: bool = False, **_) -> dict:
     w = distribute_tensor(torch.randn(v, h, generator=gen) * 0.1, mesh, [Shard(0)])
     w.requires_grad_()
     target = torch.randint(0, v, (n,), generator=gen)
-    with _Probe() as probe:
-        weight = w.full_tensor() if gather else w
-        loss = kt.fused_linear_cross_entropy(x, weight, target, chunk_rows=16)
-        loss.backward()
-        del weight
+    # The gathered weight goes to the single-device loss, whose CE kernel Triton's interpreter
+    # would run for ~25 s of CPU here; its torch path (chosen per call from TRITON_INTERPRET)
+    # allocates the same buffers.
+    interpret = os.environ.get("TRITON_INTERPRET", "0")
+    os.environ["TRITON_INTERPRET"] = "0" if gather else interpret
+    try:
+        with _Probe() as probe:
+            weight = w.full_tensor() if gather else w
+            loss = kt.fused_linear_cross_entropy(x, weight, target, chunk_rows=16)
+            loss.backward()
+            del weight
+    finally:
+        os.environ["TRITON_INTERPRET"] = interpret
     return {
         "peak": probe.peak,
         "largest": probe.largest,

@@ -249,6 +249,14 @@ def check_dtensor_ops(ranks: list[dict]) -> None:
                     assert got["placements"] == "(Shard(dim=1),)"
                 else:
                     assert got["placements"] == "(Shard(dim=0),)"
+        add = res["add_norm"]
+        xs = (res["x"] + add["r"]).double().requires_grad_()
+        w = res["w"].double().requires_grad_()
+        y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        y.backward(res["dy"].double())
+        for key, ref in (("y", y), ("s", xs), ("dx", xs.grad), ("dr", xs.grad), ("dw", w.grad)):
+            assert rel_err(add[key], ref) <= FP32, (r, "add_norm", key)
+        assert max(numel for _name, numel in add["collectives"]) <= res["x"].shape[1]
         rope = res["rope"]
         cos, sin = rope["cos"].unsqueeze(1).double(), rope["sin"].unsqueeze(1).double()
         q, k = rope["q"].double().requires_grad_(), rope["k"].double().requires_grad_()
