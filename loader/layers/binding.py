@@ -9,7 +9,9 @@ TRL's fused-head wrapper (`add_fused_lm_head`) stays outermost whenever it is se
 after us: the layer is bound beneath it, as the forward it hands its other calls to
 (wrappers.py), so the trainer's fused head keeps serving `fused_lm_head=True` calls. A wrapper
 set around our forward after we bound it (accelerate's autocast) is kept when kernelize binds
-the same layer again (transformers re-kernelizes on every train()/eval()).
+the same layer again (transformers re-kernelizes on every train()/eval()). Under a
+tensor-parallel wrapper the layer likewise takes the place of the forward the wrapper calls, so
+the plan's collectives keep running around it.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ class _Bound:
 
 
 def bind_forward(module: nn.Module, layer: type[nn.Module]) -> None:
-    """Make `layer.forward` the forward of this instance (beneath TRL's fused-head wrapper
-    when one is set on it)."""
+    """Make `layer.forward` the forward of this instance (beneath TRL's fused-head wrapper or a
+    parallel plan's wrapper when one is set on it)."""
     state = module.__dict__.get(_STATE)
     slot = forward_slot(module)
     current = slot.get()
@@ -69,4 +71,4 @@ def bound_layer(module: nn.Module) -> type[nn.Module] | None:
 
 def under_wrapper(module: nn.Module) -> bool:
     """Whether this instance's forward is TRL's fused-head wrapper (a bound layer sits beneath)."""
-    return forward_slot(module).under_wrapper
+    return "trl" in forward_slot(module).kinds

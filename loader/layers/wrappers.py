@@ -1,11 +1,19 @@
-"""Forwards that wrap a model's forward and must stay outermost, and where a bound forward sits.
+"""Forwards that wrap a module's forward and must stay outermost, and where a bound forward sits.
 
-TRL's ``add_fused_lm_head`` (trl/trainer/utils.py, TRL 1.x) sets ``model.forward`` to a wrapper
-that answers ``fused_lm_head=True`` calls itself (backbone, then TRL's chunked log-prob function,
-configured with the trainer's temperature and outputs) and hands every other call to the forward
-it captured (``original_forward``, a closure variable). Replacing that wrapper would drop the
-trainer's fused head and its configuration, so kernelize binds *beneath* it: into that closure
-variable. Nothing here imports TRL; the wrapper is recognised by its code.
+Two kinds of wrapper are set on a module instance and capture the forward that was there
+(``original_forward``, a closure variable); replacing either would drop its work, so kernelize
+binds *beneath* it, into that closure variable:
+
+- TRL's ``add_fused_lm_head`` (trl/trainer/utils.py, TRL 1.x) sets ``model.forward`` to a wrapper
+  that answers ``fused_lm_head=True`` calls itself (backbone, then TRL's chunked log-prob
+  function, configured with the trainer's temperature and outputs) and hands every other call on;
+- transformers' tensor- and expert-parallel plans replace ``module.forward`` with a closure that
+  lays the inputs out, calls the forward, and lays the output out or registers gradient hooks
+  (``replicated_with_grad_allreduce`` on Qwen3's q_norm/k_norm sums their weights' gradients over
+  the TP ranks; ``moe_tp_experts`` all-reduces the experts' output). A kernel bound over such a
+  closure would train with wrong gradients or outputs.
+
+Nothing here imports TRL or transformers; each wrapper is recognised by its code.
 """
 
 from __future__ import annotations
@@ -17,8 +25,17 @@ from typing import Any
 
 from torch import nn
 
-TRL_WRAPPER = "_fused_forward"  # the wrapper's function name in trl/trainer/utils.py
-TRL_INNER = "original_forward"  # its closure variable holding the wrapped forward
+INNER = "original_forward"  # both wrappers' closure variable holding the wrapped forward
+TRL_WRAPPER = "_fused_forward"  # the TRL wrapper's function name in trl/trainer/utils.py
+# Where transformers defines its parallel styles' wrappers (tensor_parallel.py, expert_parallel.py)
+_PARALLEL_MODULES = ("transformers.distributed.", "transformers.integrations.tensor_parallel")
+
+
+def _inner_cell(func: Any) -> CellType | None:
+    code = getattr(func, "__code__", None)
+    if code is None or INNER not in code.co_freevars:
+        return None
+    return func.__closure__[code.co_freevars.index(INNER)]
 
 
 def trl_fused_head_cell(forward: Any) -> CellType | None:
@@ -26,20 +43,39 @@ def trl_fused_head_cell(forward: Any) -> CellType | None:
     or None when ``forward`` is not that wrapper."""
     func = getattr(forward, "__func__", forward)
     code = getattr(func, "__code__", None)
-    if code is None or code.co_name != TRL_WRAPPER or TRL_INNER not in code.co_freevars:
+    if code is None or code.co_name != TRL_WRAPPER:
         return None
     if not code.co_filename.replace("\\", "/").endswith("trl/trainer/utils.py"):
         return None
-    return func.__closure__[code.co_freevars.index(TRL_INNER)]
+    return _inner_cell(func)
+
+
+def parallel_wrapper_cell(forward: Any) -> CellType | None:
+    """The closure cell holding the forward that ``forward`` calls, when ``forward`` is one of
+    transformers' parallel-style wrappers; else None."""
+    module = getattr(forward, "__module__", None) or ""
+    if not module.startswith(_PARALLEL_MODULES):
+        return None
+    return _inner_cell(forward)
+
+
+def _wrapper_cell(forward: Any) -> tuple[str, CellType] | None:
+    cell = trl_fused_head_cell(forward)
+    if cell is not None:
+        return "trl", cell
+    cell = parallel_wrapper_cell(forward)
+    return None if cell is None else ("parallel", cell)
 
 
 @dataclass(frozen=True)
 class Slot:
     """Where a module's effective forward is kept: its ``__dict__`` (None = the class forward),
-    or the closure cell of the innermost TRL fused-head wrapper on it."""
+    or the closure cell of the innermost wrapper on it; ``kinds`` names the wrappers passed on
+    the way in ("trl", "parallel"), outermost first."""
 
     module: nn.Module
     cell: CellType | None = None
+    kinds: tuple[str, ...] = ()
 
     def get(self) -> Any:
         if self.cell is not None:
@@ -73,20 +109,22 @@ def links(forward: Any) -> Iterator[Any]:
         forward = inner if inner is not None else getattr(forward, "__wrapped__", None)
 
 
-def _first_trl_cell(forward: Any) -> CellType | None:
-    return next((c for f in links(forward) if (c := trl_fused_head_cell(f)) is not None), None)
+def _first_wrapper(forward: Any) -> tuple[str, CellType] | None:
+    return next((w for f in links(forward) if (w := _wrapper_cell(f)) is not None), None)
 
 
 def forward_slot(module: nn.Module) -> Slot:
-    """The slot kernelize binds into: beneath TRL's fused-head wrapper (the innermost one when
-    they nest), found through any wrappers set around it (accelerate's autocast), else the
+    """The slot kernelize binds into: beneath the innermost wrapper (TRL's fused head, a
+    parallel plan's), found through any wrappers set around it (accelerate's autocast), else the
     instance's own ``forward``."""
-    cell = _first_trl_cell(module.__dict__.get("forward"))
-    if cell is None:
+    found = _first_wrapper(module.__dict__.get("forward"))
+    if found is None:
         return Slot(module)
-    while (inner := _first_trl_cell(cell.cell_contents)) is not None:
-        cell = inner
-    return Slot(module, cell)
+    kinds, cell = [found[0]], found[1]
+    while (inner := _first_wrapper(cell.cell_contents)) is not None:
+        kinds.append(inner[0])
+        cell = inner[1]
+    return Slot(module, cell, tuple(kinds))
 
 
 def reaches(forward: Any, function: Any) -> bool:

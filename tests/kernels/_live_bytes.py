@@ -19,6 +19,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a wrapper subclass's memory (a DTensor's local tensor, a functional
+    collective's result), or `t` itself."""
+    while type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t
+
+
 class LiveBytes(TorchDispatchMode):
     """``with LiveBytes() as probe: ...``; then ``probe.peak`` and ``probe.live`` in bytes."""
 
@@ -43,6 +51,7 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
+            t = plain(t)
             storage = t.untyped_storage()
             key = storage.data_ptr()
             if key in self._storages:

@@ -43,3 +43,10 @@ __all__ += [
     "trl_chunked_divergence",
     "trl_chunked_logprob",
 ]
+
+# Parallelism: the vocab-parallel loss of a tensor-parallel head (DTensors are routed to it by
+# fused_linear_cross_entropy too) and the global token count of a context-parallel loss.
+from .context_parallel import token_count  # noqa: E402
+from .vocab_parallel import vocab_parallel_cross_entropy  # noqa: E402
+
+__all__ += ["token_count", "vocab_parallel_cross_entropy"]

@@ -31,6 +31,7 @@ from .rms_norm import (
     use_triton_rows,
 )
 from .rms_norm import _backward_any as rms_norm_backward_any
+from .tensor_parallel import is_dtensor
 
 
 def _forward_any(x, residual, weight, eps, gemma):
@@ -163,7 +164,13 @@ def fused_add_rms_norm(
     with `rms_norm`, only when nothing else reads that gradient tensor. Ignored under compile.
     """
     numer = resolve_numerics(gemma, offset, casting_mode)
-    if x.shape != residual.shape or x.dtype != residual.dtype or x.device != residual.device:
+    if (
+        x.shape != residual.shape
+        or x.dtype != residual.dtype
+        or x.device != residual.device
+        or is_dtensor(x)  # tensor or sequence parallel: DTensor's add, then rms_norm's shards
+        or is_dtensor(residual)
+    ):
         s = residual + x
         kw = {"offset": numer[0], "casting_mode": _MODE_NAMES[numer[1]], "in_place": in_place}
         return rms_norm(s, weight, eps, **kw), s

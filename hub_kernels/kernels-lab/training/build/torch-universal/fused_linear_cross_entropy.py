@@ -43,6 +43,8 @@ from .cross_entropy import (
     reduce_with_options,
     scale_rows_,
 )
+from .vocab_parallel import is_vocab_sharded, refuse_options, vocab_parallel_cross_entropy
+from .zero3 import check_gathered
 
 # The logits buffer's budget: with the O(N + V) scratch next to it, one call stays under
 # 512 MiB of extra memory (502 MiB measured on an H200 at V=128256, docs/losses.md).
@@ -512,6 +514,19 @@ def fused_linear_cross_entropy(
             f"target shape {tuple(target.shape)} must equal hidden shape without its last "
             f"dimension, {tuple(hidden.shape[:-1])}"
         )
+    check_gathered(weight)
+    if is_vocab_sharded(weight):  # a colwise (tensor-parallel) head: each rank keeps its rows
+        refuse_options(
+            class_weight=class_weight, use_token_scaling=use_token_scaling,
+            return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens,
+        )  # fmt: skip
+        return vocab_parallel_cross_entropy(
+            hidden, weight, target, bias, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+            reduction=reduction, num_items=num_items, chunk_rows=chunk_rows,
+            accum_dtype=accum_dtype, check_targets=check_targets,
+        )  # fmt: skip
     weight, bias = _gather_dtensor(weight), _gather_dtensor(bias)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from . import tensor_parallel
 from ._common import has_hooks, op_name
 from .swiglu import GELU_ERF, GELU_TANH, SILU, _glu_backward_any, _glu_forward_any, graph_is_freed
 
@@ -184,6 +185,10 @@ def gated_mlp(x, gate_proj, up_proj, down_proj, act: int) -> torch.Tensor | None
         or any(m.weight.dtype != x.dtype for m in linears)
     ):
         return None
+    if any(tensor_parallel.is_dtensor(m.weight) for m in linears):  # this rank's columns
+        return tensor_parallel.megatron_gated_mlp(
+            GatedMLPFunction.apply, x, gate_proj, up_proj, down_proj, act
+        )
     weights = (gate_proj.weight, up_proj.weight, down_proj.weight)
     if torch.compiler.is_compiling():
         return gated_mlp_fwd(x, *weights, act)[0]

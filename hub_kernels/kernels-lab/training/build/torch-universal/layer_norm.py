@@ -28,6 +28,7 @@ from ._common import (
     rows_stride,
 )
 from .rms_norm import _bwd_programs, bwd_candidates, column_sum_launch, fwd_config, use_triton_rows
+from .tensor_parallel import dtensor_layer_norm, is_dtensor
 
 
 @fast_launch
@@ -480,6 +481,8 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """LayerNorm of `x` over its last dim with optional affine weight and bias."""
+    if is_dtensor(x):  # tensor or sequence parallel: whole rows on this rank (tensor_parallel.py)
+        return dtensor_layer_norm(layer_norm, x, weight, bias, eps)
     if torch.compiler.is_compiling():
         return layer_norm_fwd(x, weight, bias, float(eps))[0]
     return _LayerNormFunction.apply(x, weight, bias, float(eps))

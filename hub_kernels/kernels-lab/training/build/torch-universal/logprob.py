@@ -45,6 +45,7 @@ from ._common import (
     pick_config,
     use_triton,
 )
+from .vocab_parallel import is_vocab_sharded
 
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # Bits of the op's `outputs` argument, one per optional field (log_probs is always computed).
@@ -741,6 +742,13 @@ def fused_linear_logprob(
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     if not temperature or temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if is_vocab_sharded(weight):  # a colwise (tensor-parallel) head: each rank keeps its rows
+        from .vocab_parallel_logprob import vocab_parallel_logprob
+
+        return vocab_parallel_logprob(
+            hidden, weight, labels, bias, temperature=temperature, softcap=softcap,
+            logit_scale=logit_scale, outputs=outputs, ignore_index=ignore_index,
+        )  # fmt: skip
     bits = _bits(outputs)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):

@@ -67,6 +67,7 @@ def relu_squared_mlp(x, up_proj, down_proj) -> torch.Tensor | None:
         or any(type(m) is not torch.nn.Linear or m.bias is not None for m in linears)
         or any(has_hooks(m) for m in linears)
         or any(m.weight.dtype != x.dtype for m in linears)
+        or any(type(m.weight).__name__ == "DTensor" for m in linears)  # compose: their TP forwards
     ):
         return None
     return ReLUSquaredMLPFunction.apply(x, up_proj.weight, down_proj.weight)

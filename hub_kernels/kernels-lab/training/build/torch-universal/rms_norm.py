@@ -47,6 +47,7 @@ from ._common import (
     sm_count,
     use_triton,
 )
+from .tensor_parallel import dtensor_rms_norm, is_dtensor
 
 # Rows wider than this do not fit one program's registers; they take the torch path.
 MAX_TRITON_N = 65536
@@ -861,6 +862,8 @@ def rms_norm(
     is shared, e.g. ``y + other`` hands one tensor to both. Ignored under torch.compile.
     """
     numer = resolve_numerics(gemma, offset, casting_mode)
+    if is_dtensor(x):  # tensor or sequence parallel: this rank's shard (tensor_parallel.py)
+        return dtensor_rms_norm(rms_norm, x, weight, eps, numer, save_output, in_place, out_dtype)
     if torch.compiler.is_compiling():
         return rms_norm_fwd(x, weight, float(eps), False, save_output, *numer)[0]
     return _RMSNormFunction.apply(x, weight, float(eps), numer, save_output, in_place)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tensor_parallel
 from ._common import (
     PlanCache,
     as_rows,
@@ -819,6 +820,8 @@ def apply_rotary_pos_emb(
 
     In eager mode the rotation may be written over q and k themselves (where safe; see the
     module docstring): read the returned tensors, not q and k, after the call."""
+    if tensor_parallel.is_dtensor(q) or tensor_parallel.is_dtensor(k):  # this rank's heads
+        return tensor_parallel.rope(apply_rotary_pos_emb, q, k, cos, sin, unsqueeze_dim)
     if torch.compiler.is_compiling():
         # The op on every device (it runs the torch formula where Triton does not run), so the
         # compiled graph is the same on a CPU as on a GPU.

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import tensor_parallel
 from ._common import (
     PlanCache,
     as_rows,
@@ -534,6 +535,8 @@ class _ActFunction(torch.autograd.Function):
 
 
 def _glu(a, b, act, in_place=False):
+    if tensor_parallel.is_dtensor(a) or tensor_parallel.is_dtensor(b):  # local, elementwise
+        return tensor_parallel.elementwise(_glu, a, b, act=act, in_place=in_place)
     if torch.compiler.is_compiling():
         return glu_fwd(a, b, act)  # the compiled graph owns its buffers: in_place is ignored
     return _GLUFunction.apply(a, b, act, in_place)
@@ -577,6 +580,9 @@ def glu_halves(x: torch.Tensor, act: int, *, in_place: bool = False) -> torch.Te
     """
     if x.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even (two halves), got {x.shape[-1]}")
+    if tensor_parallel.is_dtensor(x):  # halves of a split dim: DTensor's own ops lay them out
+        gate, up = x.chunk(2, dim=-1)
+        return _torch_act(gate, act) * up
     if torch.compiler.is_compiling():
         return glu_fwd(*x.chunk(2, dim=-1), act)  # the compiled graph owns its buffers
     return _GLUHalvesFunction.apply(x, act, in_place)
@@ -584,6 +590,8 @@ def glu_halves(x: torch.Tensor, act: int, *, in_place: bool = False) -> torch.Te
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """silu(x) with a Triton backward."""
+    if tensor_parallel.is_dtensor(x):
+        return tensor_parallel.elementwise(silu, x)
     if torch.compiler.is_compiling():
         return act_fwd(x, SILU)
     return _ActFunction.apply(x, SILU)
@@ -596,6 +604,8 @@ def relu_squared(x: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
     ``in_place=True``: the backward writes d(x) over x (contiguous, of the gradient's dtype;
     else a new buffer), as silu_mul's in_place does; do not read x after the backward.
     """
+    if tensor_parallel.is_dtensor(x):
+        return tensor_parallel.elementwise(relu_squared, x, in_place=in_place)
     if torch.compiler.is_compiling():
         return act_fwd(x, RELU_SQUARED)  # the compiled graph owns its buffers
     return _ActFunction.apply(x, RELU_SQUARED, in_place)
