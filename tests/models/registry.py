@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .bf16_verdict import Run, Verdict, float64_copy, judge
+from .bf16_verdict import Run, Verdict, float64_copy, judge, model_inputs
 
 VOCAB = 256
 HIDDEN = 64
@@ -215,19 +215,19 @@ def _rel(a: float, b: float) -> float:
 
 def train_steps(model, batches, steps: int = 3, record=None) -> list[tuple[float, float]]:
     """(loss, grad norm) of each AdamW step; `record` (a bf16_verdict.Run) compares each step
-    with float64 at the same weights."""
+    with float64 at the same weights. A batch is a token tensor or a dict of inputs."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     torch.manual_seed(0)  # whatever a model draws in training, both copies draw the same
     out = []
-    for ids in batches[:steps]:
-        loss = model(input_ids=ids, labels=ids).loss
+    for batch in batches[:steps]:
+        loss = model(**model_inputs(batch)).loss
         loss.backward()
         grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
         norm = torch.stack(grads).norm().item()
         out.append((loss.item(), norm))
         if record is not None:
-            record.record(model, ids, loss.item())
+            record.record(model, batch, loss.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
@@ -247,17 +247,37 @@ def run_one(
     overrides: dict | None = None,
 ) -> Outcome:
     """Build the tiny model, train a plain copy and a kernelized copy 3 steps, compare."""
+    return compare(
+        model_type,
+        lambda: build(model_type, overrides=overrides),
+        token_batches,
+        device=device,
+        dtype=dtype,
+        repo=repo,
+    )
+
+
+def token_batches(model, device) -> list[torch.Tensor]:
+    """Three [2, SEQ] batches of random tokens (each its own labels)."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device) for _ in range(3)]
+
+
+def compare(model_type: str, make, make_batches, *, device="cpu", dtype=torch.float32,
+            repo=None) -> Outcome:  # fmt: skip
+    """The 3-step comparison of `make()` (a tiny model) as it is and after
+    ``kernels.apply_training_kernels``, on ``make_batches(model, device)``; a model or batches
+    that cannot be made, or a plain model that cannot train, is a "skipped" outcome."""
     import kernels
 
     start = time.perf_counter()
     try:
-        plain = build(model_type, overrides=overrides).to(device=device, dtype=dtype)
+        plain = make().to(device=device, dtype=dtype)
         ours = copy.deepcopy(plain)
         # bf16 is judged against the plain model in float64 at each step's weights
         # (bf16_verdict.py); fp32 against the plain model itself
         exact = float64_copy(plain) if dtype == torch.bfloat16 else None
-        gen = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device) for _ in range(3)]
+        batches = make_batches(plain, device)
         plain_run, ours_run = Run(exact), Run(exact)
         ref = train_steps(plain, batches, record=plain_run)
     except Exception as exc:  # noqa: BLE001 - the plain model is what we cannot test

@@ -31,3 +31,9 @@ from .fused_linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from .loss_layers import ForCausalLMLoss  # noqa: E402
 
 __all__ += ["cross_entropy", "fused_linear_cross_entropy", "ForCausalLMLoss"]
+
+# Vision-language models: multimodal RoPE cos/sin, the vision rotary, the non-gated GELU MLP.
+from .gelu_mlp import gelu_activation  # noqa: E402
+from .mrope import apply_vision_rotary_pos_emb, mrope_cos_sin  # noqa: E402
+
+__all__ += ["apply_vision_rotary_pos_emb", "gelu_activation", "mrope_cos_sin"]
