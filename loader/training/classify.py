@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layers.decorators import function_key, replace_kernel_forward_from_hub
 from ..layers.funcs import KernelFunction, make_function_module
-from . import probes
+from . import multimodal, probes
 from .attention import qkv_attention_verdict
 
 UNSERVED = "_kernels_unserved"  # cls.__dict__: {kind: reason}, read by kernelize's report
@@ -238,8 +238,12 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
     return Verdict("mlp", None, missing) if missing else Verdict("mlp", layer)
 
 
-# The class attribute ReLUSquaredMLP reads: the names of the (in, out) projections.
+# The class attributes ReLUSquaredMLP and GELUMLP read: the names of the (in, out)
+# projections; GELUMLP also which GELU ("gelu", "gelu_tanh", "quick_gelu").
 MLP_PROJECTIONS = "kernels_mlp_projections"
+MLP_ACTIVATION = "kernels_mlp_activation"
+# MultimodalRotaryEmbedding reads (sections layout, repeated pairs) from its module's class.
+MROPE_LAYOUT = "kernels_mrope_layout"
 
 
 def _plain_projections(module: nn.Module) -> tuple[str, str] | None:
@@ -258,21 +262,50 @@ def _plain_projections(module: nn.Module) -> tuple[str, str] | None:
 def plain_mlp_verdict(
     module: nn.Module, projections: tuple[str, str], available: Callable[[str], str | None]
 ) -> Verdict | None:
-    """ReLUSquaredMLP for out(relu(in(x))^2) (Nemotron, Arcee, Persimmon, ...); None when the
-    activation is not ReLU² (the caller reports what it reports for non-gated MLPs)."""
+    """ReLUSquaredMLP for out(relu(in(x))^2) (Nemotron, Arcee, Persimmon, ...), GELUMLP for
+    out(gelu(in(x))) with an erf, tanh or quick GELU (vision towers: CLIP, SigLIP, Qwen2-VL,
+    ...); None for another activation (the caller reports what it reports for non-gated MLPs)."""
     act = probes.activation_of(module)
-    if act is None or not probes.computes_relu_squared(act):
+    if act is None:
         return None
     first, second = projections
+    if probes.computes_relu_squared(act):
+        layer, want, extra = "ReLUSquaredMLP", f"{second}(relu({first}(x))^2)", ()
+    elif (kind := multimodal.gelu_kind(act)) is not None:
+        layer, want, extra = "GELUMLP", f"{second}({kind}({first}(x)))", ((MLP_ACTIVATION, kind),)
+    else:
+        return None
     # registration order is usually the forward's; a module may declare the output one first
     orders = (projections, projections[::-1]) if probes.one_tensor_forward(type(module)) else ()
     order = next((o for o in orders if probes.probe_plain_mlp(module, *o)), None)
     if order is None:
-        return Verdict("mlp", None, f"does not compute {second}(relu({first}(x))^2)")
-    missing = available("ReLUSquaredMLP")
+        return Verdict("mlp", None, f"does not compute {want}")
+    missing = available(layer)
     if missing:
         return Verdict("mlp", None, missing)
-    return Verdict("mlp", "ReLUSquaredMLP", attributes=((MLP_PROJECTIONS, order),))
+    return Verdict("mlp", layer, attributes=((MLP_PROJECTIONS, order), *extra))
+
+
+def rotary_embedding_verdict(
+    module: nn.Module, available: Callable[[str], str | None]
+) -> Verdict | None:
+    """MultimodalRotaryEmbedding for a rotary embedding whose frequencies take the positions of
+    three axes by sections (multimodal.py); None for any other module. Instances whose rotary
+    type updates its frequencies as it goes (dynamic, long-RoPE) keep their forward."""
+    if not multimodal.is_multimodal_rotary(module):
+        return None
+    found, reason = multimodal.probe_mrope(module)
+    if found is None:
+        return Verdict("rotary_embedding", None, reason)
+    missing = available("MultimodalRotaryEmbedding")
+    if missing:
+        return Verdict("rotary_embedding", None, missing)
+    return Verdict(
+        "rotary_embedding",
+        "MultimodalRotaryEmbedding",
+        condition=lambda m: not multimodal.dynamic_rope(m),
+        attributes=((MROPE_LAYOUT, found),),
+    )
 
 
 def activation_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict | None:
@@ -528,11 +561,22 @@ def rotary_uses(cls: type, available: Callable[[str], str | None]) -> list[Rotar
         if fn is None:
             continue
         plain = fn.__dict__.get("__wrapped__", fn) if isinstance(fn, KernelFunction) else fn
-        layer, reason = probes.probe_rotary(plain)
+        layer, reason = _probe_rotary_function(plain)
         reason = reason or available(layer)
         verdict = Verdict("rotary", None, reason) if reason else Verdict("rotary", layer)
         uses.append(RotaryUse(cls, name, namespace, fn, verdict))
     return uses
+
+
+def _probe_rotary_function(fn: Callable) -> tuple[str | None, str]:
+    """probes.probe_rotary, or the vision towers' (q, k, cos, sin) probe for that signature."""
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = ()
+    if names == multimodal.VISION_ROTARY_PARAMS:
+        return multimodal.probe_vision_rotary(fn)
+    return probes.probe_rotary(fn)
 
 
 def classify(
@@ -562,6 +606,8 @@ def classify(
             verdict = v
         elif is_norm(module):
             verdict = norm_verdict(module, available)
+        elif (v := rotary_embedding_verdict(module, available)) is not None:
+            verdict = v
         elif not module._parameters and not module._modules:
             verdict = activation_verdict(module, available)
         if verdict is not None:

@@ -207,6 +207,8 @@ class Outcome:
     unbound_classes: dict[str, str] = field(default_factory=dict)
     # bf16: the distances of plain and ours to the float64 run (bf16_verdict.Verdict)
     verdict: Verdict | None = None
+    # what compare's `describe` adds (the VLM sweep: the inputs, where each layer bound)
+    details: dict = field(default_factory=dict)
 
 
 def _rel(a: float, b: float) -> float:
@@ -264,36 +266,37 @@ def token_batches(model, device) -> list[torch.Tensor]:
 
 
 def compare(model_type: str, make, make_batches, *, device="cpu", dtype=torch.float32,
-            repo=None) -> Outcome:  # fmt: skip
+            repo=None, describe=None) -> Outcome:  # fmt: skip
     """The 3-step comparison of `make()` (a tiny model) as it is and after
     ``kernels.apply_training_kernels``, on ``make_batches(model, device)``; a model or batches
-    that cannot be made, or a plain model that cannot train, is a "skipped" outcome."""
+    that cannot be made, or a plain model that cannot train, is a "skipped" outcome.
+    ``describe(kernelized model, report, batches)`` returns the outcome's ``details``."""
     import kernels
 
     start = time.perf_counter()
+
+    def skipped(why: str) -> Outcome:
+        return Outcome(model_type, "skipped", reason=why, seconds=time.perf_counter() - start)
+
     try:
         plain = make().to(device=device, dtype=dtype)
         ours = copy.deepcopy(plain)
         # bf16 is judged against the plain model in float64 at each step's weights
         # (bf16_verdict.py); fp32 against the plain model itself
         exact = float64_copy(plain) if dtype == torch.bfloat16 else None
+    except Exception as exc:  # noqa: BLE001 - the plain model is what we cannot test
+        return skipped(f"plain model: {first_line(exc)}")
+    try:
         batches = make_batches(plain, device)
+    except Exception as exc:  # noqa: BLE001 - inputs the model takes could not be made
+        return skipped(f"inputs: {first_line(exc)}")
+    try:
         plain_run, ours_run = Run(exact), Run(exact)
         ref = train_steps(plain, batches, record=plain_run)
     except Exception as exc:  # noqa: BLE001 - the plain model is what we cannot test
-        return Outcome(
-            model_type,
-            "skipped",
-            reason=f"plain model: {first_line(exc)}",
-            seconds=time.perf_counter() - start,
-        )
+        return skipped(f"plain model: {first_line(exc)}")
     if not all(math.isfinite(v) for row in ref for v in row):
-        return Outcome(
-            model_type,
-            "skipped",
-            reason="plain model: non-finite loss",
-            seconds=time.perf_counter() - start,
-        )
+        return skipped("plain model: non-finite loss")
     try:
         kwargs = {} if repo is None else {"repo": repo}
         report = kernels.apply_training_kernels(ours, **kwargs)
@@ -334,6 +337,7 @@ def compare(model_type: str, make, make_batches, *, device="cpu", dtype=torch.fl
         classes=classes,
         unbound_classes=why,
         verdict=verdict,
+        details=describe(ours, report, batches) if describe is not None else {},
     )
 
 

@@ -458,8 +458,49 @@ ADAPTERS: dict[str, Adapter] = {
 }
 
 
+def place(path: str, decoder: str) -> str:
+    """Where a report entry's module sits: "head" (the model itself), "text" (under the
+    decoder, the language model) or "vision" (the vision tower and the projector)."""
+    if not path:
+        return "head"
+    if decoder and (path == decoder or path.startswith(decoder + ".")):
+        return "text"
+    return "vision"
+
+
+def describe(model, report, batches) -> dict:
+    """The VLM sweep's details: the inputs, the image tokens per sample, and per place (text,
+    vision, head) the layers bound and the reasons of what was not."""
+    decoder = ""
+    getter = getattr(model, "get_decoder", None)
+    if callable(getter):
+        try:
+            found = getter()
+        except (AttributeError, NotImplementedError, TypeError):
+            found = None
+        decoder = next((n for n, m in model.named_modules() if m is found and n), "")
+    bound: dict[str, set[str]] = {"text": set(), "vision": set(), "head": set()}
+    unbound: dict[str, set[str]] = {"text": set(), "vision": set(), "head": set()}
+    for e in report:
+        where = place(e.path, decoder)
+        if e.status == "bound":
+            bound[where].add(e.layer_name)
+        else:
+            unbound[where].add(f"{e.layer_name}: {e.reason}")
+    first = batches[0]
+    image = image_token_id(model.config)
+    tokens = int((first["input_ids"][0] == image).sum()) if image is not None else 0
+    return {
+        "inputs": sorted(k for k in first if k not in ("input_ids", "labels")),
+        "image_tokens": tokens,
+        **{f"{k}_bound": sorted(v) for k, v in bound.items()},
+        **{f"{k}_unbound": sorted(v) for k, v in unbound.items()},
+    }
+
+
 def run_vlm(model_type: str, *, device="cpu", dtype=torch.float32, repo=None, overrides=None):
-    """registry.compare for the tiny VLM with image batches."""
+    """registry.compare for the tiny VLM with image batches; ``details`` says what the batches
+    held and where each layer bound (describe)."""
     return compare(
         model_type,
         lambda: build_vlm(model_type, overrides=overrides),
@@ -467,6 +508,7 @@ def run_vlm(model_type: str, *, device="cpu", dtype=torch.float32, repo=None, ov
         device=device,
         dtype=dtype,
         repo=repo,
+        describe=describe,
     )
 
 
