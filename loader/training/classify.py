@@ -355,9 +355,11 @@ _HEAD_LINE_OK = re.compile(
     r"if .*(softcap|scal).*:|else:"
     r"|\w+ = self\.\w+\(.*\)"  # the call itself
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
-    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.|model\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier)\)?"
+    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.(text_config\.)?|model\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
     r"|\w+ = \w+ ?[*/] ?final_logit_softcapping"  # a local read from the (text) config
+    r'|final_logit_softcapping = getattr\(self\.config\.get_text_config\(\), "final_logit_softcapping", None\)'
+    r"|if final_logit_softcapping is not None:"
     r")\s*$"
 )
 
@@ -391,6 +393,9 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         )
     top = head_path.split(".")[0]
     problem, ops = _logits_problem(model, source, top)
+    if problem:
+        return Verdict("loss", None, problem)
+    problem = _loss_inputs_problem(source, top)
     if problem:
         return Verdict("loss", None, problem)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -450,7 +455,7 @@ LOGIT_OPS = "kernels_logit_ops"
 OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
-_AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?(\w+) \* aux_loss")
+_AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")
 _PLAIN_CE = re.compile(
     r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
     r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
@@ -459,10 +464,11 @@ _PLAIN_CE = re.compile(
 _SOFTCAP_USE = re.compile(r"[*/] ?final_logit_softcapping")
 _SOFTCAP_LOCAL = re.compile(
     r"\(final_logit_softcapping := self\.config(\.get_text_config\(\))?\.final_logit_softcapping\)"
+    r'|final_logit_softcapping = getattr\(self\.config\.get_text_config\(\), "final_logit_softcapping"'
 )
 # a logit scale on the model, its config or its decoder (Falcon-H1: self.model.lm_head_multiplier)
 _SCALE_OP = re.compile(
-    r"([*/]) ?self\.(config\.|model\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b"
+    r"([*/]) ?self\.(config\.(?:text_config\.)?|model\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b"
 )
 
 
@@ -512,7 +518,9 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
         if value not in (None, 1, 1.0) and attr not in body:
             return f"has {attr} but its forward does not apply it", ()
     ops = tuple(
-        ("config", attr, op) if owner == "config." else ("model", owner + attr, op)
+        ("config", owner[len("config.") :] + attr, op)
+        if owner.startswith("config.")
+        else ("model", owner + attr, op)
         for op, owner, attr in _SCALE_OP.findall(body)
     )
     for holder, attr, _ in ops:
@@ -522,6 +530,40 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"its {attr} is a {type(value).__name__}, not a number", ()
     return "", ops
+
+
+def _body_before(source: str, marker: str) -> list[str]:
+    """The forward's statements (no signature, no docstring), up to the line with `marker`."""
+    import ast
+    import textwrap
+
+    text = textwrap.dedent(source)
+    try:
+        func = ast.parse(text).body[0]
+    except (SyntaxError, IndexError):
+        return []
+    body = list(getattr(func, "body", []))
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    lines = text.splitlines()
+    stop = next((i for i, line in enumerate(lines) if marker in line), len(lines))
+    return [ast.get_source_segment(text, stmt) or "" for stmt in body if stmt.lineno - 1 < stop]
+
+
+def _loss_inputs_problem(source: str, top: str) -> str:
+    """Why the loss layers cannot stand in for the forward's loss, from what the loss is
+    computed on: "" when the head's own logits and the labels as given."""
+    for stmt in _body_before(source, f"self.{top}("):
+        # an encoder-decoder that makes its decoder inputs from the labels: the loss layers run
+        # the forward without labels, which would then decode nothing
+        if "decoder_input_ids" in stmt and re.search(r"\blabels\b", stmt):
+            return "makes its decoder inputs from the labels"
+    head = re.search(rf"(\w+) = self\.{top}\(", source)
+    call = re.search(r"self\.loss_function\(\s*(?:logits=)?(\w+)", source)
+    if head and call and call.group(1) != head.group(1):
+        # GIT drops its image positions: logits[:, num_image_tokens:-1]
+        return f"computes its loss on `{call.group(1)}`, not on the logits of its head"
+    return ""
 
 
 def is_norm(module: nn.Module) -> bool:

@@ -21,7 +21,12 @@ from .probes import _close, _cos_sin, _unhooked, rotate_half_reference
 
 # -- the multimodal rotary embedding ----------------------------------------------------------
 
-MROPE_LAYOUTS = (("chunked", False), ("chunked", True), ("interleaved", False), ("interleaved", True))
+MROPE_LAYOUTS = (
+    ("chunked", False),
+    ("chunked", True),
+    ("interleaved", False),
+    ("interleaved", True),
+)
 
 
 def frequency_axes(sections: list[int], layout: str) -> torch.Tensor:
@@ -139,9 +144,9 @@ def probe_vision_rotary(fn: Callable) -> tuple[str | None, str]:
 
 GELU_FORMULAS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": lambda x: 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0))),
-    "gelu_tanh": lambda x: 0.5
-    * x
-    * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
+    "gelu_tanh": lambda x: (
+        0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    ),
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 

@@ -236,8 +236,8 @@ def train_steps(model, batches, steps: int = 3, record=None) -> list[tuple[float
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+    text = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {text[0].strip()[:160] if text else ''}"
 
 
 def run_one(

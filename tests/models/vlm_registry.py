@@ -33,8 +33,9 @@ PATCHES_PER_SIDE = 8  # each image: 8 x 8 patches of the family's own patch size
 IMAGES_PER_SAMPLE = 1
 BATCH = 2
 
-# Vision-tower size attributes (names the text shrink does not know) -> the tiny value.
-_VISION_SHRINK = {
+# Size attributes the causal sweep's shrink does not know (vision towers, projectors, Q-Formers)
+# -> the tiny value.
+_EXTRA_SHRINK = {
     "depth": 2,
     "num_heads": 4,
     "attention_heads": 4,
@@ -48,6 +49,11 @@ _VISION_SHRINK = {
     "num_global_layers": 1,
     "num_query_tokens": 8,
     "projection_dim": HIDDEN,  # the projector's output: the text model's width
+    "encoder_hidden_size": HIDDEN,  # a Q-Former's cross-attention reads the tower's width
+    "projection_hidden_size": HIDDEN,
+    "vision_hidden_size": HIDDEN,
+    "word_embed_proj_dim": HIDDEN,  # OPT's embeddings (BLIP-2's text model)
+    "d_kv": 16,  # T5-style attention: heads x d_kv is the model's width
 }
 # Attributes holding layer indices into the vision tower (moved into the tiny depth).
 _LAYER_LISTS = ("indexes", "indices", "_layers_idx", "vision_feature_layer", "feature_layers")
@@ -75,7 +81,7 @@ def _sub_configs(config) -> list:
 
 
 def _shrink_vision(config) -> None:
-    for key, value in _VISION_SHRINK.items():
+    for key, value in _EXTRA_SHRINK.items():
         current = getattr(config, key, None)
         if isinstance(current, int) and not isinstance(current, bool):
             try:
@@ -121,6 +127,12 @@ def _shrink_all(config, seen: set[int]) -> None:
     seen.add(id(config))
     _shrink(config)
     _shrink_vision(config)
+    if isinstance(getattr(config, "mm_tokens_per_image", None), int):
+        config.mm_tokens_per_image = (PATCHES_PER_SIDE // 2) ** 2  # pooled 2 x 2
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(kinds, list) and any("sliding" in str(k) for k in kinds):
+        if getattr(config, "sliding_window", None) is None:
+            config.sliding_window = 8  # sliding layers need a window; some defaults leave None
     for sub in _sub_configs(config):
         _shrink_all(sub, seen)
 
@@ -163,8 +175,10 @@ def _fit_top(config) -> None:
     if vc is None:
         return
     _move_layer_indices(config, _first_int(vc, "num_hidden_layers", "depth", "num_layers"))
-    if isinstance(getattr(config, "mm_tokens_per_image", None), int):
-        config.mm_tokens_per_image = (PATCHES_PER_SIDE // 2) ** 2
+    if isinstance(getattr(config, "projector_patch_to_query_dict", None), dict):
+        # patches per image -> the queries the projector pools them to
+        config.projector_patch_to_query_dict = {PATCHES_PER_SIDE**2: 16}
+        config.max_value_projector_patch_to_query_dict = 16
     size = _first_int(vc, "image_size")
     if size and isinstance(getattr(config, "image_grid_pinpoints", None), list):
         config.image_grid_pinpoints = [[size, size]]
@@ -243,24 +257,32 @@ def build_vlm(model_type: str, seed: int = 0, overrides: dict | None = None):
 # -- images --------------------------------------------------------------------------------------
 
 
-def image_feature_fn(model) -> Callable | None:
-    """The model's image-feature function (on the model or its inner model)."""
+def image_feature_fns(model) -> list[Callable]:
+    """The model's image-feature functions: its own, then its inner model's (whose signature
+    may name what the outer one passes on in **kwargs)."""
+    found = []
     for holder in (model, getattr(model, "model", None)):
         fn = getattr(holder, "get_image_features", None)
         if callable(fn):
-            return fn
-    return None
+            found.append(fn)
+    return found
 
 
 def vision_config(model):
-    """The vision tower's config: the nested config that has a patch size (the model's own
-    where none has)."""
+    """The vision tower's config: ``vision_config`` (or a like name), else the first nested
+    config, depth first, that has a patch size (the model's own where none has)."""
     config = model.config
     for name in ("vision_config", "visual_config", "vision_tower_config"):
         sub = getattr(config, name, None)
         if sub is not None:
             return sub
-    return next((c for c in _sub_configs(config) if hasattr(c, "patch_size")), config)
+    stack = list(reversed(_sub_configs(config)))
+    while stack:
+        sub = stack.pop()
+        if hasattr(sub, "patch_size"):
+            return sub
+        stack += reversed(_sub_configs(sub))
+    return config
 
 
 def _first_int(config, *names: str) -> int | None:
@@ -273,42 +295,84 @@ def _first_int(config, *names: str) -> int | None:
     return None
 
 
-def pixel_layouts(model, n_images: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+def pixel_layouts(
+    model, n_images: int, gen: torch.Generator, fn: Callable | None = None
+) -> list[dict[str, torch.Tensor]]:
     """Candidate pixel inputs for `n_images` images, in the layouts families' processors make,
     read from the image-feature function's parameters and the vision config: flattened patches
-    with a (t, h, w) grid where the function takes a grid (Qwen2-VL), else [images, channels,
-    size, size], or with a tile axis [images, tiles, ...] (Idefics, any-resolution LLaVA)."""
-    fn = image_feature_fn(model)
+    with a grid where the function takes one ((t, h, w) for Qwen2-VL, (h, w) for others), else
+    [images, channels, size, size], or with a tile axis [images, tiles, ...] (Idefics,
+    any-resolution LLaVA); masks per pixel or per tile; sizes, merge sizes, second resolutions
+    where the signature of `fn` (the model's first image-feature function by default) asks
+    for them."""
+    fn = fn or next(iter(image_feature_fns(model)), None)
     params = set(inspect.signature(fn).parameters) if fn is not None else set()
     vc = vision_config(model)
     channels = _first_int(vc, "in_channels", "num_channels", "in_chans") or 3
     patch = _first_int(vc, "patch_size") or 14
     dtype = next(model.parameters()).dtype
     side = PATCHES_PER_SIDE
-    if "image_grid_thw" in params:  # Qwen2-VL-style: flattened patches and a (t, h, w) grid
-        grid = torch.tensor([[1, side, side]] * n_images)
+    extras = _extra_inputs(model, params, n_images, dtype, gen)
+    if params & {"image_grid_thw", "image_grid_hw"}:  # flattened patches and their grid
         rows = n_images * side * side
-        temporal = _first_int(vc, "temporal_patch_size")
-        shapes = [
-            (rows, channels * t * patch * patch) for t in dict.fromkeys((temporal or 1, 2, 1))
-        ]
+        temporal = _first_int(vc, "temporal_patch_size", "patch_temporal") or 1
+        if "image_grid_thw" in params:
+            grid = {"image_grid_thw": torch.tensor([[1, side, side]] * n_images)}
+        else:
+            grid = {"image_grid_hw": torch.tensor([[side, side]] * n_images)}
+        shapes = [(rows, channels * t * patch * patch) for t in dict.fromkeys((temporal, 2, 1))]
         shapes.append((rows, channels, patch, patch))
         return [
-            {"pixel_values": torch.randn(shape, generator=gen).to(dtype), "image_grid_thw": grid}
+            {"pixel_values": torch.randn(shape, generator=gen).to(dtype), **grid, **extras}
             for shape in shapes
         ]
     size = _first_int(vc, "image_size") or patch * side
     layouts = []
     for tiles in (None, 1, 2):
         lead = (n_images,) if tiles is None else (n_images, tiles)
-        inputs = {"pixel_values": torch.randn(*lead, channels, size, size, generator=gen).to(dtype)}
-        if "image_sizes" in params:
-            inputs["image_sizes"] = torch.tensor([[size, size]] * n_images)
-        for mask in ("pixel_attention_mask", "pixel_mask"):
-            if mask in params:
-                inputs[mask] = torch.ones(*lead, size, size, dtype=torch.bool)
-        layouts.append(inputs)
+        pixels = torch.randn(*lead, channels, size, size, generator=gen).to(dtype)
+        masks = [(*lead, size, size)] + ([lead] if tiles is not None else [])
+        for mask_shape in masks:
+            inputs = {"pixel_values": pixels, **extras}
+            if "image_sizes" in params:
+                inputs["image_sizes"] = torch.tensor([[size, size]] * n_images)
+            for mask in ("pixel_attention_mask", "pixel_mask"):
+                if mask in params:
+                    inputs[mask] = torch.ones(mask_shape, dtype=torch.bool)
+            layouts.append(inputs)
+    # patch sequences [images, patches, channels * patch * patch] (SigLIP 2's towers)
+    inputs = {"pixel_values": _patch_rows(n_images, channels, patch, gen).to(dtype), **extras}
+    for mask in ("pixel_attention_mask", "pixel_mask"):
+        if mask in params:
+            inputs[mask] = torch.ones(n_images, side * side, dtype=torch.bool)
+    layouts.append(inputs)
     return layouts
+
+
+def _patch_rows(n_images: int, channels: int, patch: int, gen: torch.Generator) -> torch.Tensor:
+    """[images, patches, channels * patch * patch]: each image as its sequence of patches."""
+    side = PATCHES_PER_SIDE
+    return torch.randn(n_images, side * side, channels * patch * patch, generator=gen)
+
+
+def _extra_inputs(model, params: set[str], n_images: int, dtype, gen) -> dict:
+    """Inputs some image-feature functions take besides the pixels, from their names."""
+    extras: dict[str, torch.Tensor] = {}
+    side = PATCHES_PER_SIDE
+    if "spatial_shapes" in params:  # patches per image, (h, w)
+        extras["spatial_shapes"] = torch.tensor([[side, side]] * n_images)
+    if "image_merge_sizes" in params:
+        merge = _first_int(vision_config(model), "spatial_merge_size", "merge_size") or 1
+        extras["image_merge_sizes"] = torch.tensor([merge] * n_images)
+    if "high_res_pixel_values" in params:  # a second tower at a higher resolution
+        high = getattr(model.config, "high_res_vision_config", None)
+        size = _first_int(high, "image_size") if high is not None else None
+        channels = _first_int(high, "num_channels") or 3 if high is not None else 3
+        size = size or 2 * side * (_first_int(high, "patch_size") or 16)
+        extras["high_res_pixel_values"] = torch.randn(
+            n_images, channels, size, size, generator=gen
+        ).to(dtype)
+    return extras
 
 
 def _feature_rows(out, width: int) -> int:
@@ -337,43 +401,48 @@ def make_images(model, n_images: int, gen: torch.Generator) -> Images:
     adapter = ADAPTERS.get(model.config.model_type)
     if adapter is not None and adapter.images is not None:
         return adapter.images(model, n_images, gen)
-    layouts = pixel_layouts(model, n_images, gen)
-    fn = image_feature_fn(model)
-    if image_token_id(model.config) is None or fn is None:
-        return Images(layouts[0], 0)
-    params = inspect.signature(fn).parameters
+    fns = image_feature_fns(model)
+    if image_token_id(model.config) is None or not fns:
+        return Images(pixel_layouts(model, n_images, gen)[0], 0)
     width = model.config.get_text_config().hidden_size
     was = model.training
     model.eval()
     errors = []
     try:
-        for inputs in layouts:
-            try:
-                with torch.no_grad():
-                    out = fn(**{k: v for k, v in inputs.items() if k in params})
-                rows = _feature_rows(out, width)
-            except Exception as exc:  # noqa: BLE001 - not this layout: the next one
-                errors.append(exc)
-                continue
-            if rows % n_images == 0 and rows:
-                return Images(inputs, rows // n_images)
-            errors.append(ValueError(f"{rows} image features do not split over {n_images} images"))
+        for fn in fns:
+            params = inspect.signature(fn).parameters
+            for inputs in pixel_layouts(model, n_images, gen, fn):
+                try:
+                    with torch.no_grad():
+                        out = fn(**{k: v for k, v in inputs.items() if k in params})
+                    rows = _feature_rows(out, width)
+                except Exception as exc:  # noqa: BLE001 - not this layout: the next one
+                    errors.append(exc)
+                    continue
+                if rows % n_images == 0 and rows:
+                    return Images(inputs, rows // n_images)
+                errors.append(ValueError(f"{rows} features do not split over {n_images} images"))
     finally:
         model.train(was)
-    raise errors[0]
+    if len(errors) == 1:
+        raise errors[0]
+    raise ValueError(
+        "no pixel layout fits: " + " | ".join(f"{type(e).__name__}: {_line(e)}" for e in errors)
+    )
+
+
+def _line(exc: BaseException) -> str:
+    return next((x for x in str(exc).splitlines() if x.strip()), "")[:120]
 
 
 def image_token_id(config) -> int | None:
-    """The token that stands for an image feature in the text; None where the text has none."""
-    for name in ("image_token_id", "image_token_index"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    text = config.get_text_config()
-    for name in ("image_token_id", "image_token_index"):
-        value = getattr(text, name, None)
-        if isinstance(value, int):
-            return value
+    """The token that stands for an image feature in the text (a video model's video token);
+    None where the text has none."""
+    for holder in (config, config.get_text_config()):
+        for name in ("image_token_id", "image_token_index", "video_token_index"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int):
+                return value
     return None
 
 
@@ -452,9 +521,156 @@ def _llama4_config(config) -> None:
     vc.projector_input_dim = vc.projector_output_dim = vc.vision_output_dim = HIDDEN
 
 
+def _image_token(config) -> None:
+    """A config whose image token defaults to None (the processor sets it): give it one, past
+    the vocabulary, for _move_token_ids to place."""
+    for name in ("image_token_index", "image_token_id", "video_token_index"):
+        if hasattr(config, name) and getattr(config, name) is None:
+            setattr(config, name, 10**6)
+
+
+def _qformer_batch(model, batch: dict) -> None:
+    # InstructBLIP's Q-Former reads the instruction too: its own tokens
+    ids = batch["input_ids"]
+    vocab = model.config.qformer_config.vocab_size
+    batch["qformer_input_ids"] = (ids[:, :8] % vocab).clone()
+    batch["qformer_attention_mask"] = torch.ones_like(batch["qformer_input_ids"])
+
+
+def _query_images(model, n_images: int, gen: torch.Generator) -> Images:
+    # a Q-Former pools each image to num_query_tokens features, the image tokens of the text
+    return Images(pixel_layouts(model, n_images, gen)[0], model.config.num_query_tokens)
+
+
+def _query_video(model, n_images: int, gen: torch.Generator) -> Images:
+    # one frame per video: [videos, frames, channels, h, w]
+    inputs = pixel_layouts(model, n_images, gen)[0]
+    inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1)
+    return Images(inputs, model.config.num_query_tokens)
+
+
+def _gemma4_config(config) -> None:
+    # the default config has no vision tower: the tiny model gets one (patches pooled 3 x 3)
+    from transformers import Gemma4VisionConfig
+
+    config.vision_config = Gemma4VisionConfig()
+    _shrink_all(config.vision_config, set())
+
+
+def _gemma4_images(model, n_images: int, gen: torch.Generator) -> Images:
+    vc = model.config.vision_config
+    side = 2 * vc.pooling_kernel_size  # a 6 x 6 grid, pooled to 2 x 2 tokens
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    positions = torch.stack((xs.flatten(), ys.flatten()), -1).expand(n_images, -1, -1)
+    pixels = torch.rand(n_images, side * side, 3 * vc.patch_size**2, generator=gen)
+    inputs = {
+        "pixel_values": pixels.to(next(model.parameters()).dtype),
+        "image_position_ids": positions.contiguous(),
+    }
+    return Images(inputs, (side // vc.pooling_kernel_size) ** 2)
+
+
+def _hunyuan_vl_config(config) -> None:
+    # its axes are (1-D positions..., width, height, image index), listed by mrope_section
+    config.text_config.rope_parameters["mrope_section"] = [2, 2, 2, 2]
+
+
+def _muse_config(config) -> None:
+    # the projector takes the merged patches: the tower's width times merge_size^2
+    vc = config.vision_config
+    config.out_hidden_size = vc.hidden_size * vc.merge_size**2
+
+
+def _step3p7_config(config) -> None:
+    config.get_text_config().sliding_window = 8  # its mask asks for a window
+
+
+def _fuyu_images(model, n_images: int, gen: torch.Generator) -> Images:
+    # Fuyu's processor cuts the image into patch rows (image_patches), one embedding each
+    c = model.config
+    patches = _patch_rows(n_images, c.num_channels, c.patch_size, gen)
+    return Images({"image_patches": patches.to(next(model.parameters()).dtype)}, patches.shape[1])
+
+
+def _pix2struct_images(model, n_images: int, gen: torch.Generator) -> Images:
+    # flattened patches: (row, column) then the patch's pixels; the decoder reads the text
+    vc = model.config.vision_config
+    side = PATCHES_PER_SIDE
+    rows, cols = torch.meshgrid(torch.arange(side) + 1, torch.arange(side) + 1, indexing="ij")
+    pixels = torch.randn(n_images, side * side, vc.patch_embed_hidden_size, generator=gen)
+    ids = torch.stack((rows.flatten(), cols.flatten()), -1).float().expand(n_images, -1, -1)
+    patches = torch.cat((ids, pixels), -1).to(next(model.parameters()).dtype)
+    mask = torch.ones(n_images, side * side)
+    return Images({"flattened_patches": patches, "attention_mask": mask}, 0)
+
+
+def _kosmos2_batch(model, batch: dict) -> None:
+    # the image embeddings go where the mask says: latent_query_num tokens after the first
+    ids = batch["input_ids"]
+    n = model.config.latent_query_num
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, 1 : 1 + n] = True
+    batch["image_embeds_position_mask"] = mask
+
+
+def _kosmos2_images(model, n_images: int, gen: torch.Generator) -> Images:
+    inputs = pixel_layouts(model, n_images, gen)[0]
+    # placeholder tokens for the latent queries (the text model ignores their ids)
+    return Images(inputs, model.config.latent_query_num)
+
+
+def _encoder_decoder_config(config) -> None:
+    # the decoder starts from its own start token and pads with its pad token
+    decoder = config.get_text_config()
+    pad = getattr(decoder, "pad_token_id", None)
+    pad = 0 if pad is None else pad
+    start = next(
+        (
+            getattr(decoder, name)
+            for name in ("decoder_start_token_id", "bos_token_id")
+            if getattr(decoder, name, None) is not None
+        ),
+        pad,
+    )
+    config.pad_token_id, config.decoder_start_token_id = pad, start
+
+
+def _udop_batch(model, batch: dict) -> None:
+    # a layout model: one box per token (here all the page)
+    ids = batch["input_ids"]
+    batch["bbox"] = torch.zeros(*ids.shape, 4, dtype=torch.long)
+
+
+def _idefics_images(model, n_images: int, gen: torch.Generator) -> Images:
+    inputs = pixel_layouts(model, n_images, gen)[0]
+    inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(1)  # [batch, images, c, h, w]
+    return Images(inputs, 0)  # the text attends to the image across (no tokens for it)
+
+
+def _idefics_batch(model, batch: dict) -> None:
+    ids = batch["input_ids"]
+    batch["image_attention_mask"] = torch.ones(*ids.shape, 1, dtype=torch.long)
+
+
 ADAPTERS: dict[str, Adapter] = {
+    "vision-encoder-decoder": Adapter(_encoder_decoder_config),
+    "udop": Adapter(_encoder_decoder_config, batch=_udop_batch),
+    "idefics": Adapter(images=_idefics_images, batch=_idefics_batch),
     "mllama": Adapter(_mllama_config, _mllama_images, _mllama_batch),
     "llama4": Adapter(_llama4_config),
+    "blip-2": Adapter(_image_token, _query_images),
+    "instructblip": Adapter(_image_token, _query_images, _qformer_batch),
+    "instructblipvideo": Adapter(_image_token, _query_video, _qformer_batch),
+    "nemotron_h_omni": Adapter(_image_token),
+    "gemma4": Adapter(_gemma4_config, _gemma4_images),
+    "gemma4_unified": Adapter(_gemma4_config, _gemma4_images),
+    "hunyuan_vl": Adapter(_hunyuan_vl_config),
+    "muse_glimmer": Adapter(_muse_config),
+    "muse_spark": Adapter(_muse_config),
+    "step3p7": Adapter(_step3p7_config),
+    "fuyu": Adapter(images=_fuyu_images),
+    "pix2struct": Adapter(images=_pix2struct_images),
+    "kosmos-2": Adapter(images=_kosmos2_images, batch=_kosmos2_batch),
 }
 
 
