@@ -73,13 +73,47 @@ def binds_text(o) -> bool:
     return bool(NORMS & text) and bool(MLPS & text) and bool(HEADS & head)
 
 
+# Where Liger 0.8.5's apply function raises on transformers 5.24 before it patches anything (its
+# loss forward imports an output class this transformers does not have), what its source would
+# patch on the model instance with its defaults (monkey_patch.py, apply_liger_kernel_to_*): the
+# rows compare our binding with that.
+LIGER_INTENDED = {
+    # rms_norm: text norms and (instance) the vision blocks' norm1/norm2 (LayerNorm); swiglu:
+    # Qwen2MLP; rope: assigns apply_multimodal_rotary_pos_emb, which 5.24's modeling file no
+    # longer calls (its text rotary is apply_rotary_pos_emb)
+    "qwen2_vl": {"classes": ["LayerNorm", "Qwen2MLP", "Qwen2VLRMSNorm"], "head": True},
+    # rms_norm: text norms and the vision blocks' norm1/norm2; swiglu: Qwen2MLP (text only)
+    "qwen2_5_vl": {"classes": ["Qwen2MLP", "Qwen2_5_VLRMSNorm"], "head": True},
+    # rms_norm: text norms and q/k norms; rope: both rotary functions; swiglu defaults to False
+    "qwen3_vl": {
+        "classes": ["Qwen3VLTextRMSNorm"],
+        "functions": ["apply_rotary_pos_emb", "apply_rotary_pos_emb_vision"],
+        "head": True,
+    },
+    # rms_norm: vision and text norms; swiglu: experts, shared and dense MLPs, the vision MLP
+    "glm4v_moe": {
+        "classes": [
+            "Glm4vMoeRMSNorm", "Glm4vMoeTextExperts", "Glm4vMoeTextMLP", "Glm4vMoeTextRMSNorm",
+            "Glm4vMoeisionMlp",
+        ],
+        "head": True,
+    },
+}  # fmt: skip
+
+
 def liger_row(o, patches: dict | None) -> tuple[str, bool | None]:
     """(the Liger column's text, whether we bind at least what Liger patches; None when Liger
-    does not know the type)."""
+    does not know the type). Where Liger's patch raises here, its source's intended patch
+    (LIGER_INTENDED) is what we are compared with."""
     if patches is None:
         return "", None
+    prefix = ""
     if patches.get("error") and not (patches.get("classes") or patches.get("functions")):
-        return f"fails on this transformers: {patches['error']}", True
+        intended = LIGER_INTENDED.get(o.model_type)
+        prefix = f"raises on this transformers ({patches['error'][:90]})"
+        if intended is None:
+            return prefix, True
+        patches, prefix = intended, prefix + "; by its source it would patch: "
     named = [*patches.get("classes", []), *patches.get("functions", [])]
     gaps = []
     for name in named:
@@ -90,9 +124,7 @@ def liger_row(o, patches: dict | None) -> tuple[str, bool | None]:
     head = patches.get("head")
     if head and not (HEADS & set(o.details.get("head_bound", ()))):
         gaps.append("loss head")
-    text = ", ".join(named + (["loss head"] if head else [])) or "nothing"
-    if patches.get("error"):
-        text += f" (the loss patch fails: {patches['error']})"
+    text = prefix + (", ".join(named + (["loss head"] if head else [])) or "nothing")
     if gaps:
         text += "; **not bound here**: " + "; ".join(gaps)
     return text, not gaps and o.status == "match"

@@ -355,7 +355,7 @@ _HEAD_LINE_OK = re.compile(
     r"if .*(softcap|scal).*:|else:"
     r"|\w+ = self\.\w+\(.*\)"  # the call itself
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
-    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.(text_config\.)?|model\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier)\)?"
+    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.(text_config\.)?|model\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier|output_multiplier)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
     r"|\w+ = \w+ ?[*/] ?final_logit_softcapping"  # a local read from the (text) config
     r'|final_logit_softcapping = getattr\(self\.config\.get_text_config\(\), "final_logit_softcapping", None\)'
@@ -468,7 +468,7 @@ _SOFTCAP_LOCAL = re.compile(
 )
 # a logit scale on the model, its config or its decoder (Falcon-H1: self.model.lm_head_multiplier)
 _SCALE_OP = re.compile(
-    r"([*/]) ?self\.(config\.(?:text_config\.)?|model\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b"
+    r"([*/]) ?self\.(config\.(?:text_config\.)?|model\.)?(logit_scale|logits_scaling|lm_head_multiplier|output_multiplier)\b"
 )
 
 

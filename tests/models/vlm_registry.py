@@ -129,6 +129,8 @@ def _shrink_all(config, seen: set[int]) -> None:
     _shrink_vision(config)
     if isinstance(getattr(config, "mm_tokens_per_image", None), int):
         config.mm_tokens_per_image = (PATCHES_PER_SIDE // 2) ** 2  # pooled 2 x 2
+    if isinstance(getattr(config, "output_multiplier", None), (int, float)):
+        config.output_multiplier = 0.5  # Muse's logit scale defaults to 1: a scale would not show
     kinds = getattr(config, "layer_types", None)
     if isinstance(kinds, list) and any("sliding" in str(k) for k in kinds):
         if getattr(config, "sliding_window", None) is None:
@@ -296,7 +298,7 @@ def _first_int(config, *names: str) -> int | None:
 
 
 def pixel_layouts(
-    model, n_images: int, gen: torch.Generator, fn: Callable | None = None
+    model, n_images: int, gen: torch.Generator, fn: Callable | None = None, side: int = 0
 ) -> list[dict[str, torch.Tensor]]:
     """Candidate pixel inputs for `n_images` images, in the layouts families' processors make,
     read from the image-feature function's parameters and the vision config: flattened patches
@@ -304,15 +306,16 @@ def pixel_layouts(
     [images, channels, size, size], or with a tile axis [images, tiles, ...] (Idefics,
     any-resolution LLaVA); masks per pixel or per tile; sizes, merge sizes, second resolutions
     where the signature of `fn` (the model's first image-feature function by default) asks
-    for them."""
+    for them. Grids and patch sequences are `side` x `side` patches (default
+    PATCHES_PER_SIDE); images made whole take the vision config's image size."""
     fn = fn or next(iter(image_feature_fns(model)), None)
     params = set(inspect.signature(fn).parameters) if fn is not None else set()
     vc = vision_config(model)
     channels = _first_int(vc, "in_channels", "num_channels", "in_chans") or 3
     patch = _first_int(vc, "patch_size") or 14
     dtype = next(model.parameters()).dtype
-    side = PATCHES_PER_SIDE
-    extras = _extra_inputs(model, params, n_images, dtype, gen)
+    side = side or PATCHES_PER_SIDE
+    extras = _extra_inputs(model, params, n_images, dtype, gen, side)
     if params & {"image_grid_thw", "image_grid_hw"}:  # flattened patches and their grid
         rows = n_images * side * side
         temporal = _first_int(vc, "temporal_patch_size", "patch_temporal") or 1
@@ -341,7 +344,8 @@ def pixel_layouts(
                     inputs[mask] = torch.ones(mask_shape, dtype=torch.bool)
             layouts.append(inputs)
     # patch sequences [images, patches, channels * patch * patch] (SigLIP 2's towers)
-    inputs = {"pixel_values": _patch_rows(n_images, channels, patch, gen).to(dtype), **extras}
+    rows = _patch_rows(n_images, channels, patch, gen, side)
+    inputs = {"pixel_values": rows.to(dtype), **extras}
     for mask in ("pixel_attention_mask", "pixel_mask"):
         if mask in params:
             inputs[mask] = torch.ones(n_images, side * side, dtype=torch.bool)
@@ -349,16 +353,16 @@ def pixel_layouts(
     return layouts
 
 
-def _patch_rows(n_images: int, channels: int, patch: int, gen: torch.Generator) -> torch.Tensor:
+def _patch_rows(
+    n_images: int, channels: int, patch: int, gen: torch.Generator, side: int = PATCHES_PER_SIDE
+) -> torch.Tensor:
     """[images, patches, channels * patch * patch]: each image as its sequence of patches."""
-    side = PATCHES_PER_SIDE
     return torch.randn(n_images, side * side, channels * patch * patch, generator=gen)
 
 
-def _extra_inputs(model, params: set[str], n_images: int, dtype, gen) -> dict:
+def _extra_inputs(model, params: set[str], n_images: int, dtype, gen, side: int) -> dict:
     """Inputs some image-feature functions take besides the pixels, from their names."""
     extras: dict[str, torch.Tensor] = {}
-    side = PATCHES_PER_SIDE
     if "spatial_shapes" in params:  # patches per image, (h, w)
         extras["spatial_shapes"] = torch.tensor([[side, side]] * n_images)
     if "image_merge_sizes" in params:
@@ -393,7 +397,7 @@ def _feature_rows(out, width: int) -> int:
     raise TypeError(f"get_image_features returned {type(out).__name__}")
 
 
-def make_images(model, n_images: int, gen: torch.Generator) -> Images:
+def make_images(model, n_images: int, gen: torch.Generator, side: int = 0) -> Images:
     """Pixel inputs and the image tokens each image needs. Each candidate layout is run through
     get_image_features once (no gradient, eval mode); the first the model takes wins, and its
     features say how many tokens an image is. A model without image tokens in its text (the
@@ -403,7 +407,7 @@ def make_images(model, n_images: int, gen: torch.Generator) -> Images:
         return adapter.images(model, n_images, gen)
     fns = image_feature_fns(model)
     if image_token_id(model.config) is None or not fns:
-        return Images(pixel_layouts(model, n_images, gen)[0], 0)
+        return Images(pixel_layouts(model, n_images, gen, side=side)[0], 0)
     width = model.config.get_text_config().hidden_size
     was = model.training
     model.eval()
@@ -411,7 +415,7 @@ def make_images(model, n_images: int, gen: torch.Generator) -> Images:
     try:
         for fn in fns:
             params = inspect.signature(fn).parameters
-            for inputs in pixel_layouts(model, n_images, gen, fn):
+            for inputs in pixel_layouts(model, n_images, gen, fn, side):
                 try:
                     with torch.no_grad():
                         out = fn(**{k: v for k, v in inputs.items() if k in params})
@@ -446,32 +450,38 @@ def image_token_id(config) -> int | None:
     return None
 
 
-def vlm_batches(model, device, steps: int = 3) -> list[dict]:
-    """`steps` batches of BATCH samples, each: a few text tokens, the image token as many times
-    as its image makes features, more text; labels are the tokens with the image positions
-    ignored (-100), as the families' collators make them."""
+def vlm_batches(
+    model, device, steps: int = 3, *, batch: int = BATCH, text: int = SEQ, side: int = 0
+) -> list[dict]:
+    """`steps` batches of `batch` samples, each: a few text tokens, the image token as many
+    times as its image makes features, more text (`text` tokens in all); labels are the tokens
+    with the image positions ignored (-100), as the families' collators make them. Text tokens
+    are drawn below the special token ids at the top of the vocabulary."""
     gen = torch.Generator().manual_seed(1)
     image_id = image_token_id(model.config)
     forward = set(inspect.signature(type(model).forward).parameters)
+    vocab = model.config.get_text_config().vocab_size
+    # special ids live at the top of the vocabulary (pad, bos at the bottom are harmless)
+    tops = [getattr(h, k) for h, k in _token_id_names(model.config)]
+    low = min([vocab, *(t for t in tops if t >= vocab // 2)])
     batches = []
     for _ in range(steps):
-        images = make_images(model, BATCH * IMAGES_PER_SAMPLE, gen)
+        images = make_images(model, batch * IMAGES_PER_SAMPLE, gen, side)
         n = images.tokens_per_image * IMAGES_PER_SAMPLE
-        head, tail = 3, SEQ - 3
-        text = torch.randint(0, SPECIAL_BASE, (BATCH, head + tail), generator=gen)
-        placeholders = torch.full((BATCH, n), SPECIAL_BASE if image_id is None else image_id)
-        ids = torch.cat((text[:, :head], placeholders, text[:, head:]), dim=1)
+        head = 3
+        words = torch.randint(0, low, (batch, text), generator=gen)
+        placeholders = torch.full((batch, n), low if image_id is None else image_id)
+        ids = torch.cat((words[:, :head], placeholders, words[:, head:]), dim=1)
         is_image = torch.zeros_like(ids, dtype=torch.bool)
         is_image[:, head : head + n] = True
         labels = ids.masked_fill(is_image, -100)
-        batch = {"input_ids": ids, "labels": labels, **images.inputs}
+        inputs = {"input_ids": ids, "labels": labels, **images.inputs}
         if "mm_token_type_ids" in forward:  # the multimodal RoPE's positions read them
-            batch["mm_token_type_ids"] = is_image.long()
+            inputs["mm_token_type_ids"] = is_image.long()
         adapter = ADAPTERS.get(model.config.model_type)
         if adapter is not None and adapter.batch is not None:
-            adapter.batch(model, batch)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        batches.append(batch)
+            adapter.batch(model, inputs)
+        batches.append({k: v.to(device) for k, v in inputs.items()})
     return batches
 
 
@@ -551,9 +561,10 @@ def _query_video(model, n_images: int, gen: torch.Generator) -> Images:
 
 def _gemma4_config(config) -> None:
     # the default config has no vision tower: the tiny model gets one (patches pooled 3 x 3)
-    from transformers import Gemma4VisionConfig
+    import transformers
 
-    config.vision_config = Gemma4VisionConfig()
+    name = type(config).__name__.replace("Config", "VisionConfig")  # Gemma4(Unified)VisionConfig
+    config.vision_config = getattr(transformers, name)()
     _shrink_all(config.vision_config, set())
 
 
@@ -586,10 +597,10 @@ def _step3p7_config(config) -> None:
 
 
 def _fuyu_images(model, n_images: int, gen: torch.Generator) -> Images:
-    # Fuyu's processor cuts the image into patch rows (image_patches), one embedding each
+    # Fuyu's processor cuts the image into patch rows, one embedding each
     c = model.config
     patches = _patch_rows(n_images, c.num_channels, c.patch_size, gen)
-    return Images({"image_patches": patches.to(next(model.parameters()).dtype)}, patches.shape[1])
+    return Images({"pixel_values": patches.to(next(model.parameters()).dtype)}, patches.shape[1])
 
 
 def _pix2struct_images(model, n_images: int, gen: torch.Generator) -> Images:
@@ -663,7 +674,7 @@ ADAPTERS: dict[str, Adapter] = {
     "instructblipvideo": Adapter(_image_token, _query_video, _qformer_batch),
     "nemotron_h_omni": Adapter(_image_token),
     "gemma4": Adapter(_gemma4_config, _gemma4_images),
-    "gemma4_unified": Adapter(_gemma4_config, _gemma4_images),
+    "gemma4_unified": Adapter(_gemma4_config),  # its patches enter pooled: no input here yet
     "hunyuan_vl": Adapter(_hunyuan_vl_config),
     "muse_glimmer": Adapter(_muse_config),
     "muse_spark": Adapter(_muse_config),
