@@ -203,23 +203,9 @@ def child(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for step in range(args.steps):
-        watch.phase(f"step {step + 1}")
-        batch = batches[step % len(batches)]
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        losses.append(float(loss.detach()))
-        watch.say(f"step {step + 1}/{args.steps} {times[-1]:.2f} s, loss {losses[-1]:.4f}")
-    watch.phase("")
+    losses, times = bench_train.timed_steps(
+        model, opt, lambda step: batches[step % len(batches)], args.steps, device, watch
+    )
     step_s = statistics.median(times[args.warmup :] or times)
     tokens = batches[0]["input_ids"].numel()
     out = {
@@ -287,14 +273,6 @@ def header(args, family: Family, commit: str, rows: list[dict]) -> str:
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    versions = {"torch": torch.__version__}
-    for name in ("transformers", "triton", "liger_kernel", "kernels"):
-        try:
-            versions[name] = __import__("importlib.metadata").metadata.version(
-                name.replace("_", "-")
-            )
-        except Exception:  # noqa: BLE001 - a version line, never a failure
-            versions[name] = "n/a"
     shape = (
         f"tiny {family.model_type} (tests/models/vlm_registry.py)" if args.smoke else family.shape
     )
@@ -307,7 +285,7 @@ def header(args, family: Family, commit: str, rows: list[dict]) -> str:
     return (
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, host "
         f"{bench_train.cpu_model()} ({os.cpu_count()} CPUs), "
-        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + ", ".join(f"{k} {v}" for k, v in bench_train.versions().items())
         + f", commit {commit}. {shape}, random init, bf16, {args.attn} attention, "
         f"{args.batch} samples of one image and {args.text} text tokens"
         + (f" ({tokens} positions per step)" if tokens else "")

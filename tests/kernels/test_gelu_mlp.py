@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from _live_bytes import saved_bytes
 from _training_refs import DTYPES, assert_close, leaf64
 from torch import nn
 
@@ -84,20 +85,6 @@ def test_mlp_values_and_every_gradient(kt, act, dtype, bias, path):
         assert_close(p.grad, p64[name].grad, dtype, f"d {name}")
 
 
-def _saved_bytes(fn, x) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward of fn(x)."""
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return sum(storages.values())
-
-
 def test_mlp_keeps_one_intermediate_tensor_not_two(kt):
     """Composed modules keep fc1(x) (for the activation) and gelu(fc1(x)) (for fc2's weight
     gradient); the layer keeps fc1(x) alone."""
@@ -109,8 +96,8 @@ def test_mlp_keeps_one_intermediate_tensor_not_two(kt):
     def eager(x):
         return m.fc2(torch.nn.functional.gelu(m.fc1(x), approximate="tanh"))
 
-    assert _saved_bytes(eager, x) == weights + inp + 2 * act
-    assert _saved_bytes(layer(kt, m), x) == weights + inp + act
+    assert saved_bytes(eager, x) == weights + inp + 2 * act
+    assert saved_bytes(layer(kt, m), x) == weights + inp + act
 
 
 def test_mlp_gradients_twice_with_retain_graph(kt):
