@@ -130,6 +130,28 @@ def liger_row(o, patches: dict | None) -> tuple[str, bool | None]:
     return text, not gaps and o.status == "match"
 
 
+def _shortfall(built: list, good: list) -> str:
+    """What keeps the built types that are not `good` out, by kind."""
+    rest = [o for o in built if o not in good]
+    if not rest:
+        return ""
+    wrong = [o.model_type for o in rest if o.status != "match"]
+    head = [o.model_type for o in rest if o.status == "match" and not HEADS & set(
+        o.details.get("head_bound", ()))]  # fmt: skip
+    text = [o.model_type for o in rest if o.model_type not in wrong + head]
+    parts = [
+        f"{len(head)} keep their loss head's forward (its loss is not on a top-level Linear's "
+        f"logits: {', '.join(head)})"
+        if head
+        else "",
+        f"{len(text)} bind their head but not their text MLP or norms ({', '.join(text)})"
+        if text
+        else "",
+        f"{len(wrong)} do not match ({', '.join(wrong)})" if wrong else "",
+    ]
+    return f"Of the other {len(rest)}: " + "; ".join(x for x in parts if x) + "."
+
+
 def _images(o) -> str:
     d = o.details
     if not d:
@@ -185,12 +207,13 @@ def table(outcomes: list, device: str, dtype_name: str, commit: str, liger: dict
         "",
         f"- {len(outcomes)} model types; {len(built)} build and train here with images "
         f"({len(with_images)} with pixel inputs); {len(good)} of those ({pct:.0f} %) bind their "
-        "text model's norms and MLP and their loss head, and match.",
+        "text model's norms and MLP and their loss head, and match. " + _shortfall(built, good),
         f"- {len(vision)} of the {len(built)} bind layers in their vision tower too (norms, GELU "
         "or gated MLPs, the vision rotary).",
         f"- Liger 0.8.5's image-text types ({len(liger_types)} in this mapping; what each patches "
         "read from Liger's own `_apply_liger_kernel_to_instance` on the same tiny model, "
-        "tests/models/liger_vlm_patches.json): "
+        "tests/models/liger_vlm_patches.json; where that raises on this transformers, what its "
+        "source would patch, LIGER_INTENDED in scripts/sweep_vlm.py): "
         f"{len(liger_ok)} of the {len(liger_built)} that build here bind at least what Liger "
         f"patches and match ({', '.join(liger_bad) or 'no exceptions'}).",
         "",
