@@ -158,7 +158,11 @@ def _images(o) -> str:
         return ""
     inputs = ", ".join(d.get("inputs", ())) or "none"
     tokens = d.get("image_tokens", 0)
-    where = f"{tokens} image tokens" if tokens else "no image tokens (image prefixed or encoded)"
+    where = (
+        f"{tokens} image token{'s' * (tokens != 1)}"
+        if tokens
+        else "no image tokens (image prefixed or encoded)"
+    )
     return f"{where}; {inputs}"
 
 
