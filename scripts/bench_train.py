@@ -407,25 +407,15 @@ def child(args) -> dict:
     # the same token batches in every setup, whatever its number of steps (--setup-steps)
     data_steps = max(args.steps, args.data_steps or 0)
     batches = torch.randint(0, vocab, (data_steps, args.batch, args.seq), generator=gen)
-    losses, times = [], []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for step in range(args.steps):
-        watch.phase(f"step {step + 1}" + (" (compiles)" if compiled and step == 0 else ""))
+
+    def inputs(step: int) -> dict:
         ids = batches[step].to(device, non_blocking=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        losses.append(float(loss.detach()))
-        watch.say(f"step {step + 1}/{args.steps} {times[-1]:.2f} s, loss {losses[-1]:.4f}")
-    watch.phase("")
+        return {"input_ids": ids, "labels": ids}
+
+    first = " (compiles)" if compiled else ""
+    losses, times = timed_steps(step_model, opt, inputs, args.steps, device, watch, first)
     warm = times[args.warmup :] or times
     step_s = statistics.median(warm)
     out = {
@@ -454,6 +444,44 @@ def child(args) -> dict:
         watch.phase("profile")
         out["profile"] = profile_step(step_model, opt, batches[args.steps - 1].to(device))
     return out
+
+
+def timed_steps(model, opt, inputs, steps: int, device: str, watch, first: str = "") -> tuple:
+    """(losses, seconds) of `steps` optimizer steps on ``model(**inputs(step))``, each timed
+    from a synchronized start to a synchronized end; `first` is added to step 1's phase name."""
+    import torch
+
+    losses, times = [], []
+    for step in range(steps):
+        watch.phase(f"step {step + 1}" + (first if step == 0 else ""))
+        batch = inputs(step)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        losses.append(float(loss.detach()))
+        watch.say(f"step {step + 1}/{steps} {times[-1]:.2f} s, loss {losses[-1]:.4f}")
+    watch.phase("")
+    return losses, times
+
+
+def versions() -> dict[str, str]:
+    """The versions a benchmark header names (torch, transformers, triton, Liger, kernels)."""
+    import torch
+
+    found = {"torch": torch.__version__}
+    for name in ("transformers", "triton", "liger_kernel", "kernels"):
+        try:
+            found[name] = __import__("importlib.metadata").metadata.version(name.replace("_", "-"))
+        except Exception:  # noqa: BLE001 - a version line, never a failure
+            found[name] = "n/a"
+    return found
 
 
 def emit_result(result: dict, out_dir: str | None = None, filename: str = "") -> None:
@@ -930,14 +958,6 @@ def run_header(args, family: Family, commit: str) -> str:
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    versions = {"torch": torch.__version__}
-    for name in ("transformers", "triton", "liger_kernel", "kernels"):
-        try:
-            versions[name] = __import__("importlib.metadata").metadata.version(
-                name.replace("_", "-")
-            )
-        except Exception:
-            versions[name] = "n/a"
     shape = family.shape
     if args.tiny:
         tiny = family.config(True)
@@ -945,7 +965,7 @@ def run_header(args, family: Family, commit: str) -> str:
     return (
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, host {cpu_model()} "
         f"({os.cpu_count()} CPUs), "
-        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + ", ".join(f"{k} {v}" for k, v in versions().items())
         + f", commit {commit}. {shape}, random init, bf16, {args.attn} attention, "
         f"batch {args.batch}x{args.seq}, AdamW{'(fused)' if args.device == 'cuda' else ''}, "
         f"{args.steps} steps."

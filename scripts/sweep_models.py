@@ -68,15 +68,24 @@ def _alarm(signum, frame):  # noqa: ARG001
     raise TimeoutError("over the per-type time limit")
 
 
-def run_type(model_type: str, device: str, dtype, limit_s: int):
+# What a worker runs per type: the causal LM (this script) or the image-text model with images
+# (scripts/sweep_vlm.py).
+RUNNERS = {"causal": "tests.models.registry:run_one", "vlm": "tests.models.vlm_registry:run_vlm"}
+
+
+def run_type(model_type: str, device: str, dtype, limit_s: int, kind: str = "causal"):
     """One type's outcome, stopped by SIGALRM after `limit_s` (while Python code runs; 0: no
     alarm)."""
-    from tests.models.registry import Outcome, run_one
+    import importlib
 
+    from tests.models.registry import Outcome
+
+    module, name = RUNNERS[kind].split(":")
+    run = getattr(importlib.import_module(module), name)
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(limit_s)
     try:
-        return run_one(model_type, device=device, dtype=dtype)
+        return run(model_type, device=device, dtype=dtype)
     except TimeoutError:
         return Outcome(model_type, "skipped", reason=f"took over {limit_s} s here")
     finally:
@@ -86,7 +95,7 @@ def run_type(model_type: str, device: str, dtype, limit_s: int):
 OUTCOME, READY = "OUTCOME ", "READY"
 
 
-def worker(device: str, dtype_name: str, limit_s: int) -> int:
+def worker(device: str, dtype_name: str, limit_s: int, kind: str = "causal") -> int:
     """A sweep worker: reads model types from stdin, one a line, and answers each with an
     OUTCOME line (JSON) on stdout. The mirror comes from the parent's environment."""
     import bench_supervise
@@ -104,7 +113,7 @@ def worker(device: str, dtype_name: str, limit_s: int) -> int:
         model_type = line.strip()
         if not model_type:
             continue
-        outcome = run_type(model_type, device, dtype, limit_s)
+        outcome = run_type(model_type, device, dtype, limit_s, kind)
         print(OUTCOME + json.dumps(dataclasses.asdict(outcome)), flush=True)
     return 0
 
@@ -130,13 +139,16 @@ def sweep(
     deadline_s: float | None = None,
     grace_s: float = 30.0,
     startup_s: float = 180.0,
+    kind: str = "causal",
+    on_outcome=None,
 ) -> list:
     """Every type's Outcome, in the order of `types`, from `jobs` worker processes.
 
     A type whose worker neither answers within `limit_s` + `grace_s` nor dies is a "skipped"
     row saying so and where the worker was stuck; a worker that dies is an "error" row with
     its last line; either way a fresh worker takes the next type. With `deadline_s`, types not
-    started before it (less a margin) are "skipped" rows saying so."""
+    started before it (less a margin) are "skipped" rows saying so. `kind` picks the runner
+    (RUNNERS); `on_outcome(outcome)` is called as each type's row comes in (under a lock)."""
     from bench_supervise import Child, log
 
     from tests.models.registry import Outcome
@@ -152,7 +164,7 @@ def sweep(
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     cmd = [sys.executable, __file__, "--worker", "--device", device, "--dtype", dtype_name,
-           "--limit-s", str(limit_s)]  # fmt: skip
+           "--limit-s", str(limit_s), "--kind", kind]  # fmt: skip
 
     def left() -> float:
         return float("inf") if deadline_s is None else deadline_s - (time.monotonic() - start)
@@ -161,6 +173,8 @@ def sweep(
         with lock:
             results[index] = outcome
             done = len(results)
+            if on_outcome is not None:
+                on_outcome(outcome)
         log(f"w{worker_no} " + outcome_line(outcome, done, len(types)))
 
     def drive(worker_no: int) -> None:
@@ -304,6 +318,23 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def match_criterion(dtype_name: str) -> str:
+    """What `match` means in a table of this sweep (fp32, or bf16 against float64)."""
+    from tests.models.bf16_verdict import FACTOR
+
+    if dtype_name == "fp32":
+        return "`match`: every step's loss and gradient norm agree within 1e-4 relative."
+    return (
+        "`match`: in every step, the kernelized model's loss and whole gradient are no "
+        f"further from float64 than {FACTOR}x the plain bf16 model's are, or within one bf16 "
+        "rounding (2^-8); float64 is the plain model cast to float64 and loaded with each bf16 "
+        "model's weights of that step (tests/models/bf16_verdict.py: two bf16 models can be "
+        "further apart than either is from float64); a step where float64 makes other top-k "
+        "picks (MoE routing) is left out and counted. The diff columns are plain vs ours; where "
+        "they exceed 2e-2 the reason gives both distances to float64."
+    )
+
+
 def table(outcomes: list, device: str, dtype_name: str, commit: str = "") -> str:
     import torch
     import transformers
@@ -316,19 +347,7 @@ def table(outcomes: list, device: str, dtype_name: str, commit: str = "") -> str
     liger_built = [o for o in liger if o.status != "skipped"]
     liger_good = [o for o in liger_built if o.status == "match"]
     pct = 100.0 * len(good) / max(len(built), 1)
-    from tests.models.bf16_verdict import FACTOR
-
-    criterion = (
-        "`match`: every step's loss and gradient norm agree within 1e-4 relative."
-        if dtype_name == "fp32"
-        else "`match`: in every step, the kernelized model's loss and whole gradient are no "
-        f"further from float64 than {FACTOR}x the plain bf16 model's are, or within one bf16 "
-        "rounding (2^-8); float64 is the plain model cast to float64 and loaded with each bf16 "
-        "model's weights of that step (tests/models/bf16_verdict.py: two bf16 models can be "
-        "further apart than either is from float64); a step where float64 makes other top-k "
-        "picks (MoE routing) is left out and counted. The diff columns are plain vs ours; where "
-        "they exceed 2e-2 the reason gives both distances to float64."
-    )
+    criterion = match_criterion(dtype_name)
     lines = [
         "# Training kernels across transformers' causal LMs",
         "",
@@ -450,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds for the whole sweep; types not started in time are rows saying so",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="causal", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument(
         "--update", action="store_true", help="replace only the rows of the types run in --out"
     )
@@ -461,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--liger-out", default=str(ROOT / "docs" / "models-liger.md"))
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.device, args.dtype, args.limit_s)
+        return worker(args.device, args.dtype, args.limit_s, args.kind)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     if args.liger:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layers.decorators import function_key, replace_kernel_forward_from_hub
 from ..layers.funcs import KernelFunction, make_function_module
-from . import probes
+from . import multimodal, probes
 from .attention import qkv_attention_verdict
 
 UNSERVED = "_kernels_unserved"  # cls.__dict__: {kind: reason}, read by kernelize's report
@@ -238,8 +238,12 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
     return Verdict("mlp", None, missing) if missing else Verdict("mlp", layer)
 
 
-# The class attribute ReLUSquaredMLP reads: the names of the (in, out) projections.
+# The class attributes ReLUSquaredMLP and GELUMLP read: the names of the (in, out)
+# projections; GELUMLP also which GELU ("gelu", "gelu_tanh", "quick_gelu").
 MLP_PROJECTIONS = "kernels_mlp_projections"
+MLP_ACTIVATION = "kernels_mlp_activation"
+# MultimodalRotaryEmbedding reads (sections layout, repeated pairs) from its module's class.
+MROPE_LAYOUT = "kernels_mrope_layout"
 
 
 def _plain_projections(module: nn.Module) -> tuple[str, str] | None:
@@ -258,21 +262,50 @@ def _plain_projections(module: nn.Module) -> tuple[str, str] | None:
 def plain_mlp_verdict(
     module: nn.Module, projections: tuple[str, str], available: Callable[[str], str | None]
 ) -> Verdict | None:
-    """ReLUSquaredMLP for out(relu(in(x))^2) (Nemotron, Arcee, Persimmon, ...); None when the
-    activation is not ReLU² (the caller reports what it reports for non-gated MLPs)."""
+    """ReLUSquaredMLP for out(relu(in(x))^2) (Nemotron, Arcee, Persimmon, ...), GELUMLP for
+    out(gelu(in(x))) with an erf, tanh or quick GELU (vision towers: CLIP, SigLIP, Qwen2-VL,
+    ...); None for another activation (the caller reports what it reports for non-gated MLPs)."""
     act = probes.activation_of(module)
-    if act is None or not probes.computes_relu_squared(act):
+    if act is None:
         return None
     first, second = projections
+    if probes.computes_relu_squared(act):
+        layer, want, extra = "ReLUSquaredMLP", f"{second}(relu({first}(x))^2)", ()
+    elif (kind := multimodal.gelu_kind(act)) is not None:
+        layer, want, extra = "GELUMLP", f"{second}({kind}({first}(x)))", ((MLP_ACTIVATION, kind),)
+    else:
+        return None
     # registration order is usually the forward's; a module may declare the output one first
     orders = (projections, projections[::-1]) if probes.one_tensor_forward(type(module)) else ()
     order = next((o for o in orders if probes.probe_plain_mlp(module, *o)), None)
     if order is None:
-        return Verdict("mlp", None, f"does not compute {second}(relu({first}(x))^2)")
-    missing = available("ReLUSquaredMLP")
+        return Verdict("mlp", None, f"does not compute {want}")
+    missing = available(layer)
     if missing:
         return Verdict("mlp", None, missing)
-    return Verdict("mlp", "ReLUSquaredMLP", attributes=((MLP_PROJECTIONS, order),))
+    return Verdict("mlp", layer, attributes=((MLP_PROJECTIONS, order), *extra))
+
+
+def rotary_embedding_verdict(
+    module: nn.Module, available: Callable[[str], str | None]
+) -> Verdict | None:
+    """MultimodalRotaryEmbedding for a rotary embedding whose frequencies take the positions of
+    three axes by sections (multimodal.py); None for any other module. Instances whose rotary
+    type updates its frequencies as it goes (dynamic, long-RoPE) keep their forward."""
+    if not multimodal.is_multimodal_rotary(module):
+        return None
+    found, reason = multimodal.probe_mrope(module)
+    if found is None:
+        return Verdict("rotary_embedding", None, reason)
+    missing = available("MultimodalRotaryEmbedding")
+    if missing:
+        return Verdict("rotary_embedding", None, missing)
+    return Verdict(
+        "rotary_embedding",
+        "MultimodalRotaryEmbedding",
+        condition=lambda m: not multimodal.dynamic_rope(m),
+        attributes=((MROPE_LAYOUT, found),),
+    )
 
 
 def activation_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict | None:
@@ -322,9 +355,11 @@ _HEAD_LINE_OK = re.compile(
     r"if .*(softcap|scal).*:|else:"
     r"|\w+ = self\.\w+\(.*\)"  # the call itself
     r"|\w+ = \w+\.(float\(\)|to\(torch\.float32\))"  # a cast to fp32 (the fused loss is fp32)
-    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.|model\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier)\)?"
+    r"|\w+ = (\w+(\.float\(\))?|self\.\w+\(.*\)) ?[*/] ?self\.(config\.(text_config\.)?|model\.)?(final_logit_softcapping|logit_scale|logits_scaling|lm_head_multiplier|output_multiplier)\)?"
     r"|\w+ = torch\.tanh\(\w+\)( \* self\.config\.final_logit_softcapping)?"
     r"|\w+ = \w+ ?[*/] ?final_logit_softcapping"  # a local read from the (text) config
+    r'|final_logit_softcapping = getattr\(self\.config\.get_text_config\(\), "final_logit_softcapping", None\)'
+    r"|if final_logit_softcapping is not None:"
     r")\s*$"
 )
 
@@ -358,6 +393,9 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         )
     top = head_path.split(".")[0]
     problem, ops = _logits_problem(model, source, top)
+    if problem:
+        return Verdict("loss", None, problem)
+    problem = _loss_inputs_problem(source, top)
     if problem:
         return Verdict("loss", None, problem)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -417,7 +455,7 @@ LOGIT_OPS = "kernels_logit_ops"
 OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
-_AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?(\w+) \* aux_loss")
+_AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")
 _PLAIN_CE = re.compile(
     r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
     r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
@@ -426,10 +464,11 @@ _PLAIN_CE = re.compile(
 _SOFTCAP_USE = re.compile(r"[*/] ?final_logit_softcapping")
 _SOFTCAP_LOCAL = re.compile(
     r"\(final_logit_softcapping := self\.config(\.get_text_config\(\))?\.final_logit_softcapping\)"
+    r'|final_logit_softcapping = getattr\(self\.config\.get_text_config\(\), "final_logit_softcapping"'
 )
 # a logit scale on the model, its config or its decoder (Falcon-H1: self.model.lm_head_multiplier)
 _SCALE_OP = re.compile(
-    r"([*/]) ?self\.(config\.|model\.)?(logit_scale|logits_scaling|lm_head_multiplier)\b"
+    r"([*/]) ?self\.(config\.(?:text_config\.)?|model\.)?(logit_scale|logits_scaling|lm_head_multiplier|output_multiplier)\b"
 )
 
 
@@ -479,7 +518,9 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
         if value not in (None, 1, 1.0) and attr not in body:
             return f"has {attr} but its forward does not apply it", ()
     ops = tuple(
-        ("config", attr, op) if owner == "config." else ("model", owner + attr, op)
+        ("config", owner[len("config.") :] + attr, op)
+        if owner.startswith("config.")
+        else ("model", owner + attr, op)
         for op, owner, attr in _SCALE_OP.findall(body)
     )
     for holder, attr, _ in ops:
@@ -489,6 +530,40 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"its {attr} is a {type(value).__name__}, not a number", ()
     return "", ops
+
+
+def _body_before(source: str, marker: str) -> list[str]:
+    """The forward's statements (no signature, no docstring), up to the line with `marker`."""
+    import ast
+    import textwrap
+
+    text = textwrap.dedent(source)
+    try:
+        func = ast.parse(text).body[0]
+    except (SyntaxError, IndexError):
+        return []
+    body = list(getattr(func, "body", []))
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    lines = text.splitlines()
+    stop = next((i for i, line in enumerate(lines) if marker in line), len(lines))
+    return [ast.get_source_segment(text, stmt) or "" for stmt in body if stmt.lineno - 1 < stop]
+
+
+def _loss_inputs_problem(source: str, top: str) -> str:
+    """Why the loss layers cannot stand in for the forward's loss, from what the loss is
+    computed on: "" when the head's own logits and the labels as given."""
+    for stmt in _body_before(source, f"self.{top}("):
+        # an encoder-decoder that makes its decoder inputs from the labels: the loss layers run
+        # the forward without labels, which would then decode nothing
+        if "decoder_input_ids" in stmt and re.search(r"\blabels\b", stmt):
+            return "makes its decoder inputs from the labels"
+    head = re.search(rf"(\w+) = self\.{top}\(", source)
+    call = re.search(r"self\.loss_function\(\s*(?:logits=)?(\w+)", source)
+    if head and call and call.group(1) != head.group(1):
+        # GIT drops its image positions: logits[:, num_image_tokens:-1]
+        return f"computes its loss on `{call.group(1)}`, not on the logits of its head"
+    return ""
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -528,11 +603,22 @@ def rotary_uses(cls: type, available: Callable[[str], str | None]) -> list[Rotar
         if fn is None:
             continue
         plain = fn.__dict__.get("__wrapped__", fn) if isinstance(fn, KernelFunction) else fn
-        layer, reason = probes.probe_rotary(plain)
+        layer, reason = _probe_rotary_function(plain)
         reason = reason or available(layer)
         verdict = Verdict("rotary", None, reason) if reason else Verdict("rotary", layer)
         uses.append(RotaryUse(cls, name, namespace, fn, verdict))
     return uses
+
+
+def _probe_rotary_function(fn: Callable) -> tuple[str | None, str]:
+    """probes.probe_rotary, or the vision towers' (q, k, cos, sin) probe for that signature."""
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = ()
+    if names == multimodal.VISION_ROTARY_PARAMS:
+        return multimodal.probe_vision_rotary(fn)
+    return probes.probe_rotary(fn)
 
 
 def classify(
@@ -562,6 +648,8 @@ def classify(
             verdict = v
         elif is_norm(module):
             verdict = norm_verdict(module, available)
+        elif (v := rotary_embedding_verdict(module, available)) is not None:
+            verdict = v
         elif not module._parameters and not module._modules:
             verdict = activation_verdict(module, available)
         if verdict is not None:

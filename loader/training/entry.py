@@ -56,13 +56,24 @@ def repo_checks(
     return available, getattr(moe, "experts_supported", None)
 
 
-def _model_from(source: Any) -> nn.Module:
+def _model_from(source: Any, model_class: Any = None) -> nn.Module:
     """A model to classify: the model itself, or one built on the meta device (no memory, no
-    weights) from a config, a local checkpoint folder or a Hub repo id."""
+    weights) from a config, a local checkpoint folder or a Hub repo id: with ``model_class``
+    (a model class or an Auto class), else the causal LM of the config's type, else its
+    image-text-to-text model (a VLM: Qwen2-VL, LLaVA, ...)."""
     if isinstance(source, nn.Module):
         return source
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        PretrainedConfig,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     if isinstance(source, PretrainedConfig):
         config = source
@@ -73,18 +84,31 @@ def _model_from(source: Any) -> nn.Module:
             f"training kernels need a model, a config, a checkpoint path or a repo id, got {type(source).__name__}",
             hint='pass e.g. "Qwen/Qwen3-0.6B", a saved folder, model.config or the model',
         )
+    if model_class is None:
+        kind = getattr(config, "model_type", None)
+        vlm = kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        vlm = vlm and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        model_class = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        if hasattr(model_class, "from_config"):  # an Auto class
+            return model_class.from_config(config)
+        return model_class._from_config(config)
 
 
 def plan_training_kernels(
-    source: Any, *, repo: str = TRAINING_REPO, version: int | None = 1, revision: str | None = None
+    source: Any,
+    *,
+    repo: str = TRAINING_REPO,
+    version: int | None = 1,
+    revision: str | None = None,
+    model_class: Any = None,
 ) -> Plan:
     """Classify ``source`` (model, config, path or repo id) against the kernel repo's layers
-    and mark its classes; the plan lists what is served and what is not (with the reason)."""
+    and mark its classes; the plan lists what is served and what is not (with the reason).
+    ``model_class`` picks what a config is built as (see ``training_kernel_config``)."""
     import torch
 
-    model = _model_from(source)
+    model = _model_from(source, model_class)
     available, experts_check = repo_checks(_load_repo(repo, version, revision))
     # the probes build small modules (nn.Linear draws its init from the global generator):
     # the caller's random stream (set_seed before the trainer samples) stays as it was
@@ -95,24 +119,44 @@ def plan_training_kernels(
 
 
 def training_kernel_mapping(
-    source: Any, *, repo: str = TRAINING_REPO, version: int | None = 1, revision: str | None = None
+    source: Any,
+    *,
+    repo: str = TRAINING_REPO,
+    version: int | None = 1,
+    revision: str | None = None,
+    model_class: Any = None,
 ) -> dict[str, str]:
     """``{layer name: "repo:Layer"}`` for every module kind of ``source`` the training kernels
     serve (for ``apply_kernels`` or ``KernelConfig(kernel_mapping=...)``)."""
-    plan = plan_training_kernels(source, repo=repo, version=version, revision=revision)
+    plan = plan_training_kernels(
+        source, repo=repo, version=version, revision=revision, model_class=model_class
+    )
     return {layer: _spec(repo, version, revision, layer) for layer in sorted(plan.served())}
 
 
 def training_kernel_config(
-    source: Any, *, repo: str = TRAINING_REPO, version: int | None = 1, revision: str | None = None
+    source: Any,
+    *,
+    repo: str = TRAINING_REPO,
+    version: int | None = 1,
+    revision: str | None = None,
+    model_class: Any = None,
 ):
     """A transformers ``KernelConfig`` for ``from_pretrained(..., use_kernels=True,
     kernel_config=...)``, reusable across loads (TRL loads its reference model with the same
     one; kernel_config.py). transformers accepts KernelConfig on accelerators only; on the CPU
-    use ``apply_training_kernels(model)``."""
+    use ``apply_training_kernels(model)``.
+
+    A config (or path, or repo id) is classified as the model ``model_class`` builds from it
+    (the class or Auto class you load with): by default the type's causal LM, or its
+    image-text-to-text model where the type has no causal LM (Qwen2-VL, LLaVA, InternVL, ...).
+    Types with both (Mllama, Llama 4, Qwen3.5) map their causal LM unless you pass
+    ``model_class=AutoModelForImageTextToText``."""
     from .kernel_config import reusable_kernel_config
 
-    mapping = training_kernel_mapping(source, repo=repo, version=version, revision=revision)
+    mapping = training_kernel_mapping(
+        source, repo=repo, version=version, revision=revision, model_class=model_class
+    )
     if revision is None and version in (None, 1):
         return reusable_kernel_config(mapping)
     meta = {"revision": revision} if revision is not None else {"version": version}

@@ -73,3 +73,18 @@ def extra_peak(fn) -> tuple[int, object]:
         result = fn()
         after = probe.live
     return probe.peak - after, result
+
+
+def saved_bytes(fn, x) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of fn(x) (a view saved
+    keeps its whole base alive)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(storages.values())

@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from _live_bytes import extra_peak
+from _live_bytes import extra_peak, saved_bytes
 from _training_refs import DTYPES, assert_close, leaf64
 from torch import nn
 
@@ -110,29 +110,14 @@ def test_mlp_values_and_every_gradient(kt, shape, dtype, bias):
         assert_close(p.grad, p64[name].grad, dtype, f"d {name}")
 
 
-def _saved_bytes(fn, x) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward of fn(x) (a view saved
-    keeps its whole base alive)."""
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return sum(storages.values())
-
-
 def test_mlp_keeps_one_intermediate_tensor_not_two(kt):
     """Composed modules keep relu(u) and relu(u)^2; the MLP layer keeps u = up(x) alone."""
     m = nemotron_like(H, INTER)
     x = torch.randn(T, H, requires_grad=True)
     weights = sum(p.numel() * 4 for p in m.parameters())
     act, inp = T * INTER * 4, T * H * 4
-    assert _saved_bytes(eager(m), x) == weights + inp + 2 * act
-    assert _saved_bytes(layer(kt, m), x) == weights + inp + act
+    assert saved_bytes(eager(m), x) == weights + inp + 2 * act
+    assert saved_bytes(layer(kt, m), x) == weights + inp + act
 
 
 def _fwd_bwd_peak(m: nn.Module, forward) -> int:

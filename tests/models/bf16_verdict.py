@@ -61,6 +61,12 @@ def _rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def model_inputs(batch) -> dict:
+    """A batch as the model's keyword arguments: a token tensor is its own labels; a dict
+    (pixels, image tokens, grids: vlm_registry.py) is passed as it is."""
+    return dict(batch) if isinstance(batch, dict) else {"input_ids": batch, "labels": batch}
+
+
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
     """All parameter gradients, flattened into one float64 CPU vector (zeros where None)."""
     return torch.cat(
@@ -88,18 +94,27 @@ class Run:
     # why float64 could not be run (then the distances stop)
     error: str = ""
 
-    def record(self, model: torch.nn.Module, ids: torch.Tensor, loss: float) -> None:
-        """Compare this step (called after backward, before the optimizer step)."""
+    def record(self, model: torch.nn.Module, batch, loss: float) -> None:
+        """Compare this step (called after backward, before the optimizer step); `batch` is a
+        token tensor (its own labels) or a dict of the model's inputs."""
         if self.exact is None or self.error:
             return
         try:
-            self._record(model, ids, loss)
+            self._record(model, batch, loss)
         except Exception as exc:  # noqa: BLE001 - a model that cannot run in float64: said
             lines = str(exc).strip().splitlines()
             self.error = f"{type(exc).__name__}: {lines[0][:120] if lines else ''}"
 
-    def _record(self, model: torch.nn.Module, ids: torch.Tensor, loss: float) -> None:
+    def _record(self, model: torch.nn.Module, batch, loss: float) -> None:
         exact = self.exact
+        inputs = model_inputs(batch)
+        ids = inputs["input_ids"]
+        unlabelled = {k: v for k, v in inputs.items() if k != "labels"}
+        # pixels and other float inputs in the float64 model's dtype
+        inputs64 = {
+            k: v.to(torch.float64) if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in inputs.items()
+        }
         with torch.no_grad():
             for p64, p in zip(exact.parameters(), model.parameters(), strict=True):
                 p64.copy_(p)
@@ -110,10 +125,10 @@ class Run:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
             with torch.no_grad(), _TopK() as routed:
-                model(input_ids=ids)
+                model(**unlabelled)
             torch.manual_seed(0)
             with _TopK() as routed64:
-                loss64 = exact(input_ids=ids, labels=ids).loss
+                loss64 = exact(**inputs64).loss
             loss64.backward()
         if routed.picks != routed64.picks:
             # a token whose experts nearly tie went another way: the two compute different

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .bf16_verdict import Run, Verdict, float64_copy, judge
+from .bf16_verdict import Run, Verdict, float64_copy, judge, model_inputs
 
 VOCAB = 256
 HIDDEN = 64
@@ -207,6 +207,8 @@ class Outcome:
     unbound_classes: dict[str, str] = field(default_factory=dict)
     # bf16: the distances of plain and ours to the float64 run (bf16_verdict.Verdict)
     verdict: Verdict | None = None
+    # what compare's `describe` adds (the VLM sweep: the inputs, where each layer bound)
+    details: dict = field(default_factory=dict)
 
 
 def _rel(a: float, b: float) -> float:
@@ -215,27 +217,27 @@ def _rel(a: float, b: float) -> float:
 
 def train_steps(model, batches, steps: int = 3, record=None) -> list[tuple[float, float]]:
     """(loss, grad norm) of each AdamW step; `record` (a bf16_verdict.Run) compares each step
-    with float64 at the same weights."""
+    with float64 at the same weights. A batch is a token tensor or a dict of inputs."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     torch.manual_seed(0)  # whatever a model draws in training, both copies draw the same
     out = []
-    for ids in batches[:steps]:
-        loss = model(input_ids=ids, labels=ids).loss
+    for batch in batches[:steps]:
+        loss = model(**model_inputs(batch)).loss
         loss.backward()
         grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
         norm = torch.stack(grads).norm().item()
         out.append((loss.item(), norm))
         if record is not None:
-            record.record(model, ids, loss.item())
+            record.record(model, batch, loss.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+    text = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {text[0].strip()[:160] if text else ''}"
 
 
 def run_one(
@@ -247,33 +249,54 @@ def run_one(
     overrides: dict | None = None,
 ) -> Outcome:
     """Build the tiny model, train a plain copy and a kernelized copy 3 steps, compare."""
+    return compare(
+        model_type,
+        lambda: build(model_type, overrides=overrides),
+        token_batches,
+        device=device,
+        dtype=dtype,
+        repo=repo,
+    )
+
+
+def token_batches(model, device) -> list[torch.Tensor]:
+    """Three [2, SEQ] batches of random tokens (each its own labels)."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device) for _ in range(3)]
+
+
+def compare(model_type: str, make, make_batches, *, device="cpu", dtype=torch.float32,
+            repo=None, describe=None) -> Outcome:  # fmt: skip
+    """The 3-step comparison of `make()` (a tiny model) as it is and after
+    ``kernels.apply_training_kernels``, on ``make_batches(model, device)``; a model or batches
+    that cannot be made, or a plain model that cannot train, is a "skipped" outcome.
+    ``describe(kernelized model, report, batches)`` returns the outcome's ``details``."""
     import kernels
 
     start = time.perf_counter()
+
+    def skipped(why: str) -> Outcome:
+        return Outcome(model_type, "skipped", reason=why, seconds=time.perf_counter() - start)
+
     try:
-        plain = build(model_type, overrides=overrides).to(device=device, dtype=dtype)
+        plain = make().to(device=device, dtype=dtype)
         ours = copy.deepcopy(plain)
         # bf16 is judged against the plain model in float64 at each step's weights
         # (bf16_verdict.py); fp32 against the plain model itself
         exact = float64_copy(plain) if dtype == torch.bfloat16 else None
-        gen = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device) for _ in range(3)]
+    except Exception as exc:  # noqa: BLE001 - the plain model is what we cannot test
+        return skipped(f"plain model: {first_line(exc)}")
+    try:
+        batches = make_batches(plain, device)
+    except Exception as exc:  # noqa: BLE001 - inputs the model takes could not be made
+        return skipped(f"inputs: {first_line(exc)}")
+    try:
         plain_run, ours_run = Run(exact), Run(exact)
         ref = train_steps(plain, batches, record=plain_run)
     except Exception as exc:  # noqa: BLE001 - the plain model is what we cannot test
-        return Outcome(
-            model_type,
-            "skipped",
-            reason=f"plain model: {first_line(exc)}",
-            seconds=time.perf_counter() - start,
-        )
+        return skipped(f"plain model: {first_line(exc)}")
     if not all(math.isfinite(v) for row in ref for v in row):
-        return Outcome(
-            model_type,
-            "skipped",
-            reason="plain model: non-finite loss",
-            seconds=time.perf_counter() - start,
-        )
+        return skipped("plain model: non-finite loss")
     try:
         kwargs = {} if repo is None else {"repo": repo}
         report = kernels.apply_training_kernels(ours, **kwargs)
@@ -314,6 +337,7 @@ def run_one(
         classes=classes,
         unbound_classes=why,
         verdict=verdict,
+        details=describe(ours, report, batches) if describe is not None else {},
     )
 
 

@@ -72,12 +72,14 @@ def test_partial_rotary_inside_the_rotary_function(mirror):
 
 
 def test_unserved_modules_are_named_with_their_reason(mirror):
-    """GPT-J's rotary function has its own signature, its MLP is not gated, and BitNet's gated
-    MLP squares a ReLU, which no fused gated kernel computes: each keeps its forward and the
-    report says why (the rest of the model still binds)."""
-    gptj, bitnet = run_one("gptj"), run_one("bitnet")
+    """GPT-J's rotary function has its own signature, Apertus's MLP is not gated and its
+    activation no GELU, and BitNet's gated MLP squares a ReLU, which no fused gated kernel
+    computes: each keeps its forward and the report says why (the rest of the model still binds;
+    GPT-J's non-gated GELU MLP binds GELUMLP)."""
+    gptj, apertus, bitnet = run_one("gptj"), run_one("apertus"), run_one("bitnet")
     assert any(u.startswith("rotary: takes (tensor, sin, cos)") for u in gptj.unbound)
-    assert any(u.startswith("mlp: not gated") for u in gptj.unbound)
+    assert "GELUMLP" in gptj.bound and gptj.status == "match", gptj
+    assert any(u.startswith("mlp: not gated") for u in apertus.unbound)
     assert "mlp: activation ReLUSquaredActivation has no fused gated kernel (SiLU, GELU)" in (
         bitnet.unbound
     )

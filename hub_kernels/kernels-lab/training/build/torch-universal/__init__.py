@@ -50,3 +50,10 @@ from .context_parallel import token_count  # noqa: E402
 from .vocab_parallel import vocab_parallel_cross_entropy  # noqa: E402
 
 __all__ += ["token_count", "vocab_parallel_cross_entropy"]
+
+
+# Vision-language models: multimodal RoPE cos/sin, the vision rotary, the non-gated GELU MLP.
+from .gelu_mlp import gelu_activation  # noqa: E402
+from .mrope import apply_vision_rotary_pos_emb, mrope_cos_sin  # noqa: E402
+
+__all__ += ["apply_vision_rotary_pos_emb", "gelu_activation", "mrope_cos_sin"]

@@ -454,3 +454,12 @@ class FusedQKVAttention(nn.Module):
         return qkv_attention(
             self, hidden_states, position_embeddings, attention_mask, cache, kwargs
         )
+
+
+# Vision-language models (vision_layers.py): the multimodal rotary embedding, the vision
+# towers' rotary function and their non-gated GELU MLP.
+from .vision_layers import (  # noqa: E402, F401
+    GELUMLP,
+    MultimodalRotaryEmbedding,
+    vision_rotary_pos_emb,
+)

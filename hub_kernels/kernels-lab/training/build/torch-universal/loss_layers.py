@@ -620,7 +620,9 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     if aux_spec is not None and aux is not None:
         # the family adds `coef * aux_loss` to the loss only with labels: so do we
         holder, attr = aux_spec
-        coef = getattr(model if holder == "model" else model.config, attr)
+        coef = model if holder == "model" else model.config
+        for part in attr.split("."):  # a dotted path: a VLM's config.text_config.<coef>
+            coef = getattr(coef, part)
         loss = loss + coef * aux.to(loss.device)
     logits = None
     if (not model.training) if return_logits is None else return_logits:

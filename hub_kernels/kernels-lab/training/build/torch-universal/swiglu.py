@@ -40,6 +40,7 @@ from ._common import (
 )
 
 SILU, GELU_TANH, GELU_ERF, RELU_SQUARED = 0, 1, 2, 3
+QUICK_GELU = 4  # x * sigmoid(1.702 x) (CLIP's and Qwen2-VL's vision towers)
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_C = 0.044715
@@ -63,6 +64,8 @@ def _act(a, ACT: tl.constexpr):
         y = a * tl.sigmoid(2.0 * u)
     elif ACT == 2:
         y = 0.5 * a * (1.0 + tl.erf(a * _R2))
+    elif ACT == 4:
+        y = a * tl.sigmoid(1.702 * a)
     else:
         # relu(a)^2: exact in fp32 for a bf16/fp16 a, so one rounding, as torch's square
         r = tl.maximum(a, 0.0)
@@ -83,6 +86,9 @@ def _act_grad(a, ACT: tl.constexpr):
         g = s + 2.0 * a * s * (1.0 - s) * du
     elif ACT == 2:
         g = 0.5 * (1.0 + tl.erf(a * _R2)) + a * _R2PI * tl.exp(-0.5 * a * a)
+    elif ACT == 4:
+        s = tl.sigmoid(1.702 * a)
+        g = s + 1.702 * a * s * (1.0 - s)
     else:
         g = 2.0 * tl.maximum(a, 0.0)
     return g
@@ -299,6 +305,8 @@ def _torch_act(x: torch.Tensor, act: int) -> torch.Tensor:
         return F.silu(x)
     if act == RELU_SQUARED:
         return torch.square(F.relu(x))
+    if act == QUICK_GELU:
+        return (x.float() * torch.sigmoid(1.702 * x.float())).to(x.dtype)
     return F.gelu(x, approximate="tanh" if act == GELU_TANH else "none")
 
 
@@ -310,6 +318,9 @@ def _torch_act_grad(x: torch.Tensor, act: int) -> torch.Tensor:
         return s * (1.0 + x * (1.0 - s))
     if act == RELU_SQUARED:
         return 2.0 * F.relu(x)
+    if act == QUICK_GELU:
+        s = torch.sigmoid(1.702 * x)
+        return s + 1.702 * x * s * (1.0 - s)
     if act == GELU_TANH:
         t = torch.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x**3))
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (

@@ -1,0 +1,142 @@
+"""Image-text-to-text models from transformers' registry, trained 3 AdamW steps on batches with
+images as they are and after ``kernels.apply_training_kernels(model)``: losses and gradient
+norms agree (fp32, 1e-4 relative), and the text model, the vision tower and the head bind the
+layers for what they hold. The one-line config switch builds VLM configs as VLMs.
+
+The default run covers one model type per vision structure; every type runs under
+``KERNELS_SWEEP=1`` (marked slow; scripts/sweep_vlm.py writes the same run to docs/models-vlm.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kernels
+import pytest
+
+from tests.sweep import sweep_only
+
+from .vlm_registry import build_vlm, mapping, run_vlm, tiny_vlm_config
+
+ROOT = Path(__file__).resolve().parents[2]
+REPO = "kernels-lab/training"
+
+
+@pytest.fixture
+def mirror(hub):
+    hub.build(ROOT / "hub_kernels")
+    return hub
+
+
+# model type -> {place: layers that must bind there}
+REPRESENTATIVES = {
+    # Qwen2.5-VL: sectioned multimodal RoPE (t, h, w), the vision rotary over [S, H, D], RMSNorm
+    # and a gated MLP with biases in the tower; flattened patches with image_grid_thw
+    "qwen2_5_vl": {
+        "text": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "MultimodalRotaryEmbedding"},
+        "vision": {"RMSNorm", "SwiGLUMLP", "vision_rotary_pos_emb"},
+        "head": {"CausalLMHead"},
+    },
+    # Qwen3-VL: interleaved multimodal RoPE; LayerNorm and a GELU MLP in the tower
+    "qwen3_vl": {
+        "text": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "MultimodalRotaryEmbedding"},
+        "vision": {"LayerNorm", "GELUMLP", "vision_rotary_pos_emb"},
+        "head": {"CausalLMHead"},
+    },
+    # Gemma 3: SigLIP's LayerNorm and tanh-GELU MLP, the projector's Gemma norm, pooled images
+    "gemma3": {
+        "text": {"GemmaRMSNorm", "GeGLUMLP", "rotary_pos_emb"},
+        "vision": {"LayerNorm", "GELUMLP", "GemmaRMSNorm"},
+        "head": {"CausalLMHead"},
+    },
+    # LLaVA: CLIP's quick-GELU MLP and the GELU projector, 64 image tokens per image
+    "llava": {
+        "text": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb"},
+        "vision": {"LayerNorm", "GELUMLP"},
+        "head": {"CausalLMHead"},
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(REPRESENTATIVES))
+def test_representative_vlms_bind_and_match_with_images(mirror, model_type):
+    outcome = run_vlm(model_type)
+    assert outcome.status == "match", outcome
+    details = outcome.details
+    assert details["image_tokens"] > 0 and "pixel_values" in details["inputs"], details
+    for place, layers in REPRESENTATIVES[model_type].items():
+        missing = layers - set(details[f"{place}_bound"])
+        assert not missing, (place, missing, details[f"{place}_unbound"])
+
+
+def test_kernel_config_for_a_vlm_checkpoint_is_accepted_by_transformers(mirror, tmp_path):
+    """A VLM's config used to fail: it was built with AutoModelForCausalLM (no Qwen2.5-VL there).
+    Now it is built as the image-text-to-text model, its vision layers are in the mapping, and
+    transformers' check of the mapping against the loaded model passes."""
+    from transformers import AutoModelForImageTextToText
+
+    build_vlm("qwen2_5_vl").save_pretrained(tmp_path / "ckpt")
+    config = kernels.training_kernel_config(str(tmp_path / "ckpt"))
+    assert {
+        "CausalLMHead", "MultimodalRotaryEmbedding", "RMSNorm", "SwiGLUMLP", "rotary_pos_emb",
+        "vision_rotary_pos_emb",
+    } <= set(config.kernel_mapping)  # fmt: skip
+    assert config.kernel_mapping["vision_rotary_pos_emb"] == f"{REPO}:vision_rotary_pos_emb"
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt")
+    config.sanitize_kernel_mapping(model)  # raises "Layer ... is not registered" otherwise
+
+
+def test_model_class_picks_the_vlm_where_a_type_has_both(mirror):
+    """Mllama has a causal LM (text only) and a VLM: the causal one is the default, the VLM
+    (vision LayerNorm and GELU MLP, the multimodal head) where model_class says so."""
+    from transformers import AutoModelForImageTextToText
+
+    config = tiny_vlm_config("mllama")
+    text = kernels.training_kernel_mapping(config)
+    vlm = kernels.training_kernel_mapping(config, model_class=AutoModelForImageTextToText)
+    assert {"CausalLMHead", "RMSNorm", "SwiGLUMLP"} <= set(text)
+    assert not {"GELUMLP", "LayerNorm"} & set(text)  # no vision tower in the causal LM
+    assert {"CausalLMHead", "GELUMLP", "LayerNorm", "RMSNorm", "SwiGLUMLP"} <= set(vlm)
+
+
+@sweep_only("every image-text-to-text type (~30 min on 2 cores)")
+@pytest.mark.parametrize("model_type", list(mapping()))
+def test_every_registered_vlm(mirror, model_type):
+    """Every type: skipped only if its plain model or its inputs cannot be made here; else the
+    kernelized copy matches (what binds is in docs/models-vlm.md)."""
+    outcome = run_vlm(model_type)
+    if outcome.status == "skipped":
+        pytest.skip(outcome.reason)
+    assert outcome.status == "match", outcome
+
+
+# type -> (config overrides that make the head's numerics show, {place: layers}, what the head
+# does to its logits or its loss)
+HEADS = {
+    # loss += config.text_config.router_aux_loss_coef * aux_loss, router logits on
+    "qwen3_vl_moe": {
+        "text_config.output_router_logits": True,
+        "text_config.router_aux_loss_coef": 0.5,
+    },
+    # final_logit_softcapping read from the text config with getattr
+    "paligemma": {"text_config.final_logit_softcapping": 3.0},
+    # logits * config.text_config.logits_scaling (the tiny config sets 4.0)
+    "hyperclovax_vision_v2": {},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HEADS))
+def test_multimodal_heads_bind_with_what_they_do_to_their_logits(mirror, model_type):
+    outcome = run_vlm(model_type, overrides=HEADS[model_type])
+    assert outcome.status == "match", (outcome.loss_diff, outcome.grad_diff, outcome.reason)
+    assert outcome.details["head_bound"] == ["CausalLMHead"], outcome.details["head_unbound"]
+
+
+def test_heads_whose_loss_is_not_on_their_logits_keep_their_forward(mirror):
+    """GIT computes its loss on its logits without the image positions: the fused loss, on
+    every position, would not be its loss; the head keeps its forward and says why."""
+    outcome = run_vlm("git")
+    assert outcome.status == "match", outcome
+    assert outcome.details["head_unbound"] == [
+        "loss: computes its loss on `shifted_logits`, not on the logits of its head"
+    ]
