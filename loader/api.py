@@ -687,6 +687,9 @@ def _local_variant(given: Path | str, system: SystemInfo) -> tuple[Path, Metadat
         if not isinstance(entry, VariantAccepted):
             continue
         folder = variants[entry.variant]
+        # Before a byte of it is read: a variant may lead into a folder others control (a
+        # FIFO there as metadata.json hung the load; its .so files are parsed below).
+        check_imported(folder)
         try:
             metadata = Metadata.read(folder / "metadata.json")
         except InvalidMetadata:
@@ -700,7 +703,6 @@ def _local_variant(given: Path | str, system: SystemInfo) -> tuple[Path, Metadat
                 raise no_variant_error(str(repo_path), system, reject(trace, entry.variant, reason))
             trace = reject(trace, entry.variant, reason)
             continue
-        check_imported(folder)
         return folder, metadata, str(entry.variant)
     raise no_variant_error(str(repo_path), system, trace)
 
