@@ -15,6 +15,10 @@ Found and fixed here:
   `<org>--<name>` at a folder only root may write, and the user's install created folders and a
   link there (then refused). The folders are now checked before anything is written.
 
+Also fixed: a lock path below a file (`kernels sync FILE`) was reported as "not readable, so
+another user could change which code runs" with a chmod hint (lstat's ENOTDIR taken for an
+unreadable path); now the lock file cannot be read.
+
 Variants that fail as they should: two endpoints on one host with different ports or paths keep
 apart, and a reference-format lock (0.16 and 0.17) of a redirecting repo is refused.
 """
@@ -139,3 +143,15 @@ def test_a_reference_lock_of_a_redirecting_repo_is_refused(hub, tmp_path, fmt):
     with pytest.raises(LockfileError, match="redirects to 'lab-org/new'"):
         kernels.get_locked_kernel("lab-org/old", lockfile=lock)
     assert not ran.exists()
+
+
+def test_a_lock_path_below_a_file_is_no_lock_not_a_permission_problem(tmp_path, capsys):
+    """`kernels sync FILE` (a typo): the lock `FILE/kernels.lock` cannot exist. Before: "not
+    readable, so another user could change which code runs", hint `chmod -R go-w` (lstat's
+    ENOTDIR was taken for an unreadable path)."""
+    project = tmp_path / "pyproject.toml"
+    project.write_text("[tool.kernels.dependencies]\n")
+    assert kernels_main(["sync", str(project)]) == 1
+    err = capsys.readouterr().err
+    assert "another user" not in err and "chmod" not in err, err
+    assert "kernels.lock" in err
