@@ -93,7 +93,7 @@ def _check_chain(chain: list[str], sticky_here: bool) -> tuple[Exposure | None, 
     for index, item in enumerate(chain):
         try:
             st = os.lstat(item)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # missing (or below a file): no such path
             continue
         except OSError:
             return Exposure(Path(item), "not readable"), linked

@@ -553,6 +553,8 @@ def snapshot_link(cache: Cache, repo_id: str, commit: str, variant: str, tree: P
         / "build"
     )
     link = build / variant
+    # Before anything is written there: make_dirs and the link would follow a planted link.
+    _refuse_exposed_snapshot(build, "the snapshot folder")
     try:
         target = os.path.relpath(tree, build)
         if not (link.is_symlink() and os.readlink(link) == target):
@@ -567,16 +569,23 @@ def snapshot_link(cache: Cache, repo_id: str, commit: str, variant: str, tree: P
     return link
 
 
-def _check_snapshot(link: Path, tree: Path) -> None:
-    """The link, every folder above it and every folder it leads through are writable only by
-    this user and root, and it resolves to `tree`: what the caller reads is what was verified."""
+def _refuse_exposed_snapshot(path: Path, what: str) -> None:
+    """UnsafePermissions when a user other than this one and root could change `path` or a
+    folder on its way (a missing one is judged by the nearest folder that exists)."""
     from kernels.cache.safety import check_path
 
     from .guard import unsafe
 
-    exposure = check_path(link)  # the link's folders, then (it is a link) its target's
+    exposure = check_path(path)
     if exposure is not None:
-        raise unsafe(exposure, f"the snapshot link {link}")
+        raise unsafe(exposure, f"{what} {path}")
+
+
+def _check_snapshot(link: Path, tree: Path) -> None:
+    """The link, every folder above it and every folder it leads through are writable only by
+    this user and root, and it resolves to `tree`: what the caller reads is what was verified."""
+    # The link's folders, then (it is a link) its target's.
+    _refuse_exposed_snapshot(link, "the snapshot link")
     if os.path.realpath(link) != os.path.realpath(tree):
         raise IntegrityError(
             f"the snapshot link {link} leads to {os.path.realpath(link)}, not to the verified "
@@ -687,6 +696,9 @@ def _local_variant(given: Path | str, system: SystemInfo) -> tuple[Path, Metadat
         if not isinstance(entry, VariantAccepted):
             continue
         folder = variants[entry.variant]
+        # Before a byte of it is read: a variant may lead into a folder others control (a
+        # FIFO there as metadata.json hung the load; its .so files are parsed below).
+        check_imported(folder)
         try:
             metadata = Metadata.read(folder / "metadata.json")
         except InvalidMetadata:
@@ -700,7 +712,6 @@ def _local_variant(given: Path | str, system: SystemInfo) -> tuple[Path, Metadat
                 raise no_variant_error(str(repo_path), system, reject(trace, entry.variant, reason))
             trace = reject(trace, entry.variant, reason)
             continue
-        check_imported(folder)
         return folder, metadata, str(entry.variant)
     raise no_variant_error(str(repo_path), system, trace)
 

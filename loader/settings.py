@@ -203,6 +203,22 @@ def _signature_mode(value: object, where: str) -> str:
     )
 
 
+def _publisher_key(key: str, where: str) -> str:
+    """`key` when it can name a publisher (an org); InvalidSpec otherwise, since a rule that can
+    never match (a repo id, a typo) would leave the policy off without a word."""
+    import re
+
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", key):
+        return key
+    from .errors import InvalidSpec
+
+    raise InvalidSpec(
+        f"{where}: {key!r} is neither a publisher (an org name) nor an endpoint (https://host); "
+        "a rule for it would never apply",
+        hint=_MODE_HINT,
+    )
+
+
 def _signature_rules() -> list[tuple[str | None, dict[str, str], dict[str, str]]]:
     """(default, {publisher: mode}, {endpoint: mode}) from the environment, then the config."""
     env_default, env_publishers, env_endpoints = None, {}, {}
@@ -214,7 +230,7 @@ def _signature_rules() -> list[tuple[str | None, dict[str, str], dict[str, str]]
         elif "://" in key:
             env_endpoints[key.rstrip("/")] = mode
         else:
-            env_publishers[key] = mode
+            env_publishers[_publisher_key(key, SIGNATURE_ENV)] = mode
     rules = [(env_default, env_publishers, env_endpoints)]
     table = _read_config().get("signatures")
     if table is None:
@@ -234,9 +250,12 @@ def _signature_rules() -> list[tuple[str | None, dict[str, str], dict[str, str]]
                 f"{where}: {name} must be a table of names to off, warn or require",
                 hint=f'e.g. [signatures.{name}] "kernels-community" = "require"',
             )
+        check = _publisher_key if name == "publishers" else lambda k, _where: k
         sections.append(
             {
-                str(k).rstrip("/"): _signature_mode(v, f"{where} {name}.{k}")
+                check(str(k), f"{where} {name}").rstrip("/"): _signature_mode(
+                    v, f"{where} {name}.{k}"
+                )
                 for k, v in section.items()
             }
         )

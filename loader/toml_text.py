@@ -21,7 +21,7 @@ def loads(text: str) -> dict:
         import tomli as tomllib  # type: ignore[no-redef]
     try:
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except ValueError as exc:  # TOMLDecodeError, and int()'s digit limit, which tomllib lets out
         raise TomlError(str(exc)) from None
     except RecursionError:
         raise TomlError("arrays or tables nested too deeply") from None

@@ -23,6 +23,7 @@ from pathlib import Path
 from kernels.cache.fsutil import atomic_write_bytes
 
 from ..errors import InvalidMetadata, InvalidSpec
+from ..metadata import MAX_METADATA_BYTES
 from .mirror import CONFIG_NAME, valid_name
 from .source import SourceRepo, read_source
 from .writer import GitRepoWriter, commit_tree, rev, set_ref, tree_of, write_tree
@@ -97,6 +98,11 @@ def _version(repo: SourceRepo) -> int:
         staged = repo.staged(f"build/{variant}/metadata.json")
         if staged is None:
             raise InvalidMetadata(f"{where} is missing", hint=_VERSION_HINT)
+        if staged.stat().st_size > MAX_METADATA_BYTES:  # clients refuse it; never parsed
+            raise InvalidMetadata(
+                f"{where} is larger than {MAX_METADATA_BYTES} bytes, which clients refuse",
+                hint=_VERSION_HINT,
+            )
         try:
             data = json.loads(staged.read_text("utf-8"))
         except (OSError, ValueError) as exc:

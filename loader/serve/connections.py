@@ -3,10 +3,10 @@
 Each connection holds a thread and a file descriptor. Clients that open connections and never
 finish a request (slowloris) used to hold them until the process ran out of descriptors, and then
 nobody was answered. So each connection is in one of three states: IDLE (waiting for the first
-byte of a request), READING (a request has started: its line and headers must all arrive within
-REQUEST_DEADLINE seconds, however slowly the bytes trickle) and BUSY (being answered). At the
-bound, a new connection closes the one that has waited longest for a request (idle or reading),
-never one being answered; the reaper closes any that pass their deadline.
+byte of a request), READING (a request has started: its line, headers and body must all arrive
+within REQUEST_DEADLINE seconds, however slowly the bytes trickle) and BUSY (being answered). At
+the bound, a new connection closes the one that has waited longest for a request (idle or
+reading), never one being answered; the reaper closes any that pass their deadline.
 """
 
 from __future__ import annotations

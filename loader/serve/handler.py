@@ -13,6 +13,7 @@ import traceback
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs
 
+from ..safe_text import safe_text
 from .connections import BUSY, IDLE, IDLE_TIMEOUT, READING
 from .faults import reset_connection
 from .protocol import Request, Response, ServerContext, json_response
@@ -60,12 +61,17 @@ class MirrorHandler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_POST
 
     def _handle(self) -> None:
+        # The body is part of the request: it is read while the connection is still READING,
+        # under the request's deadline, so a body that never ends is closed like a header that
+        # never ends (BUSY connections are never closed to make room).
+        if not self._drain_body():
+            self.close_connection = True
+            return
         self.server.connections.set(self.connection, BUSY)  # type: ignore[attr-defined]
         raw_path, _, query = self.path.partition("?")
         control = raw_path.startswith(CONTROL_PREFIX)
         if not control:
             self.mirror_server.record_request(self.command, self.path)
-        self._drain_body()
         try:
             if control:
                 response = self._control(raw_path)
@@ -115,8 +121,9 @@ class MirrorHandler(BaseHTTPRequestHandler):
             return json_response({"requests": [], "count": 0})
         return json_response({"error": f"no such route: {path}"}, 404)
 
-    def _drain_body(self) -> None:
-        """Read a request body so the connection can carry the next request."""
+    def _drain_body(self) -> bool:
+        """Read a request body so the connection can carry the next request; False when the
+        body did not all arrive (the connection was cut at its deadline, or the client left)."""
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -124,7 +131,11 @@ class MirrorHandler(BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding") or length < 0 or length > _DRAIN_LIMIT:
             self.close_connection = True
         elif length:
-            self.rfile.read(length)
+            try:
+                return len(self.rfile.read(length)) == length
+            except OSError:
+                return False
+        return True
 
     def _send(self, response: Response) -> None:
         length = response.length if response.stream is not None else len(response.body)
@@ -173,5 +184,6 @@ class MirrorHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         log = self.mirror_server.access_log
         if log is not None:
-            log.write(f"{self.address_string()} - {format % args}\n")
+            # The request line is the client's: escaped, so it cannot drive the terminal.
+            log.write(safe_text(f"{self.address_string()} - {format % args}") + "\n")
             log.flush()

@@ -29,6 +29,8 @@ def dispatch(server: ServerContext, req: Request) -> Response:
 
 
 def _route(server: ServerContext, req: Request) -> Response:
+    if not req.path.startswith("/"):  # "*", or a target in another form than origin-form
+        raise route_not_found(req.path)
     segs = req.path.split("/")[1:]
     if segs[0] == "api":
         return api(server, req, segs[1:])

@@ -39,6 +39,9 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
 # O_NONBLOCK: a FIFO swapped in after the lstat opens at once (then fstat refuses it), never waits.
 _FILE_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
 _CHUNK = 1 << 20
+# A repo path has at most this many parts: the client refuses deeper ones (check_relpath), and
+# the walk recurses once per folder, so a tree 1,500 deep was a RecursionError.
+MAX_PARTS = 32
 
 _LINK_HINT = (
     "replace the link by a copy of what it points to (or remove it); links are not followed"
@@ -182,6 +185,12 @@ class _Reader:
 
     def read_tree(self, repo: SourceRepo, fd: int, prefix: str, exposure: Exposure | None) -> None:
         where = f"{self.base}{repo.repo_id}/{prefix}"
+        if prefix.count("/") >= MAX_PARTS:
+            raise MirrorSourceError(
+                f"{shown(where.rstrip('/'))}: folders nested deeper than a repo path may go "
+                f"({MAX_PARTS} parts)",
+                hint="flatten the tree: clients refuse paths that deep",
+            )
         for name in _list(fd, where.rstrip("/")):
             if not name.isprintable() or _not_utf8(name):
                 raise MirrorSourceError(
