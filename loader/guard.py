@@ -9,29 +9,13 @@ UnsafePermissions and the command that fixes it. docs/security.md has the threat
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from kernels.cache import Cache, Exposure
-from kernels.cache.safety import check_path
+from kernels.cache import Cache
 
 from . import settings
-from .errors import UnsafePermissions
+from .exposure import refuse_exposed, unsafe
 from .notices import notice_once
 
-
-def unsafe(exposure: Exposure, what: str) -> UnsafePermissions:
-    return UnsafePermissions(
-        f"refusing {what}: {exposure.path} is {exposure.why}, so another user could change "
-        "which code runs",
-        hint=f"run `{exposure.fix()}`, or use a path only you can write",
-    )
-
-
-def refuse_exposed(path: Path, what: str) -> None:
-    """Raise UnsafePermissions when `path` or a folder above it is writable by other users."""
-    exposure = check_path(path)
-    if exposure is not None:
-        raise unsafe(exposure, f"{what} {path}")
+__all__ = ["lock_wait_notice", "open_cache", "refuse_exposed", "unsafe"]
 
 
 def lock_wait_notice(holder: str) -> None:

@@ -95,7 +95,7 @@ def _read_config() -> dict:
             return {}
     except OSError:  # e.g. a HOME this user may not enter: no config it can read, so none
         return {}
-    from .guard import refuse_exposed
+    from .exposure import refuse_exposed
 
     refuse_exposed(path, "the kernels config file (it decides whom to trust)")
     return load_toml(path)

@@ -36,14 +36,13 @@ from .errors import KernelNotFound, KernelStatusError
 if TYPE_CHECKING:
     from .status_file import Redirect
 
-FILENAME = "kernel-status.toml"
 MAX_BYTES = 64 * 1024
 MAX_HOPS = 4
 
 
 def __getattr__(name: str):
     # The file's format is read only when a record holds a status file: most repos have none.
-    if name in ("Redirect", "parse"):
+    if name in ("FILENAME", "Redirect", "parse"):
         from . import status_file
 
         return getattr(status_file, name)
@@ -58,6 +57,7 @@ def _record_path(cache: Cache, repo_id: str, commit: str) -> Path:
 def _fetch(repo_id: str, commit: str) -> bytes:
     """The file's bytes at `commit`, b"" when the repo has none. One request."""
     from . import hub
+    from .status_file import FILENAME
 
     chunks: list[bytes] = []
     size = 0
@@ -113,10 +113,11 @@ def lookup(cache: Cache, repo_id: str, commit: str, *, network: bool) -> Redirec
         return None
     if not data:
         return None
+    from .status_file import FILENAME, parse
+
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise KernelStatusError(f"{repo_id}@{commit[:12]}: {FILENAME} is not UTF-8") from None
-    from .status_file import parse
 
     return parse(text, where=f"{repo_id}@{commit[:12]}/{FILENAME}")

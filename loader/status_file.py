@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from .errors import KernelStatusError
 from .spec import validate_repo_id, validate_revision
-from .status import FILENAME
+
+# The file's name is part of its format; status.py reads it from here on its cold paths only.
+FILENAME = "kernel-status.toml"
 
 
 @dataclass(frozen=True)
