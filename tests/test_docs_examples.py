@@ -135,11 +135,11 @@ def test_every_script_the_docs_name_exists():
     assert not missing, missing
 
 
-
 def test_research_probes_live_in_scripts_probes():
     """scripts/ holds tools; one-off research probes go to scripts/probes/ (scripts/README.md)."""
     stray = sorted(p.name for p in (ROOT / "scripts").glob("probe_*.py"))
     assert stray == [], f"move these to scripts/probes/ and update the pages naming them: {stray}"
+
 
 # One run of each command with --json, after the sessions above filled the cache and wrote proj/.
 JSON_RUNS = {
