@@ -22,8 +22,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from ._common import (
     PlanCache,
@@ -37,6 +35,7 @@ from ._common import (
     rows_stride,
     use_triton,
 )
+from ._triton import tl, triton
 
 SILU, GELU_TANH, GELU_ERF, RELU_SQUARED = 0, 1, 2, 3
 
