@@ -22,12 +22,13 @@ def lock_wait_notice(holder: str) -> None:
     notice_once(f"lock-wait:{holder}", f"kernels: waiting for a cache lock held by {holder}")
 
 
-def open_cache(*, check: bool = True) -> Cache:
-    """The cache of this process's settings, scoped to its Hub endpoint, with lock deadlines.
-    With `check`, refuse a cache other users can write (UnsafePermissions)."""
+def open_cache(*, check: bool = True, endpoint: str | None = None) -> Cache:
+    """The cache of this process's settings, scoped to its Hub endpoint (or to `endpoint`, e.g.
+    the bundled kernels' pseudo-endpoint), with lock deadlines. With `check`, refuse a cache
+    other users can write (UnsafePermissions)."""
     cache = Cache(
         settings.cache_root(),
-        endpoint=settings.endpoint(),
+        endpoint=endpoint or settings.endpoint(),
         lock_timeout=settings.lock_timeout(),
         on_lock_wait=lock_wait_notice,
     )

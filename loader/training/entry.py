@@ -7,19 +7,28 @@
 The model's modules are classified by structure (classify.py); the classes the kernels serve
 get layer names, the others keep their forward and carry the reason, which
 ``kernels.last_report(model)`` lists next to what was bound.
+
+The kernels come from `kernels-lab/training` at the endpoint (or the cache). When the default
+request (that repo, version 1) finds neither, the copy bundled with this package stands in
+(kernels/bundled.py), with one notice; a repo, version or revision the caller names never does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from ..errors import InvalidSpec
+from ..errors import HubUnavailable, InvalidSpec, KernelNotFound, OfflineCacheMiss
 from .classify import Plan, classify
 
 TRAINING_REPO = "kernels-lab/training"
+# What the endpoint says when it cannot serve the repo: then the bundled copy may stand in.
+# Not a missing version or revision, a trust refusal or a digest mismatch: those are answers.
+_NOT_SERVED = (HubUnavailable, KernelNotFound, OfflineCacheMiss)
 
 
 def _spec(repo: str, version: int | None, revision: str | None, layer: str) -> str:
@@ -28,12 +37,35 @@ def _spec(repo: str, version: int | None, revision: str | None, layer: str) -> s
     return f"{repo}:{layer}" if version in (None, 1) else f"{repo}@v{version}:{layer}"
 
 
-def _load_repo(repo: str, version: int | None, revision: str | None) -> Any:
+@dataclass(frozen=True)
+class _Source:
+    """The loaded kernel repo, and the verified tree of the bundled copy when that stands in."""
+
+    kernel: Any
+    bundled: Path | None = None
+
+    def spec(self, repo: str, version: int | None, revision: str | None, layer: str) -> str:
+        if self.bundled is not None:
+            return f"{self.bundled}:{layer}"  # a local spec: the tree the bundle installed
+        return _spec(repo, version, revision, layer)
+
+
+def _load_repo(repo: str, version: int | None, revision: str | None) -> _Source:
     from ..api import get_kernel
 
     if revision is not None:
-        return get_kernel(repo, revision=revision)
-    return get_kernel(repo, version=version or 1)
+        return _Source(get_kernel(repo, revision=revision))
+    try:
+        return _Source(get_kernel(repo, version=version or 1))
+    except _NOT_SERVED as exc:
+        if repo != TRAINING_REPO or version not in (None, 1):
+            raise
+        from ..bundled import load
+
+        found = load(exc)
+        if found is None:
+            raise
+        return _Source(*found)
 
 
 def repo_checks(
@@ -82,8 +114,12 @@ def plan_training_kernels(
 ) -> Plan:
     """Classify ``source`` (model, config, path or repo id) against the kernel repo's layers
     and mark its classes; the plan lists what is served and what is not (with the reason)."""
+    return _plan(source, _load_repo(repo, version, revision))
+
+
+def _plan(source: Any, loaded: _Source) -> Plan:
     model = _model_from(source)
-    available, experts_check = repo_checks(_load_repo(repo, version, revision))
+    available, experts_check = repo_checks(loaded.kernel)
     plan = classify(model, available, experts_check)
     plan.mark(model if source is model else None)
     return plan
@@ -93,9 +129,21 @@ def training_kernel_mapping(
     source: Any, *, repo: str = TRAINING_REPO, version: int | None = 1, revision: str | None = None
 ) -> dict[str, str]:
     """``{layer name: "repo:Layer"}`` for every module kind of ``source`` the training kernels
-    serve (for ``apply_kernels`` or ``KernelConfig(kernel_mapping=...)``)."""
-    plan = plan_training_kernels(source, repo=repo, version=version, revision=revision)
-    return {layer: _spec(repo, version, revision, layer) for layer in sorted(plan.served())}
+    serve (for ``apply_kernels`` or ``KernelConfig(kernel_mapping=...)``); ``"/tree:Layer"``,
+    the verified tree in the cache, when the bundled copy stands in."""
+    return _mapping(source, repo, version, revision)[0]
+
+
+def _mapping(
+    source: Any, repo: str, version: int | None, revision: str | None
+) -> tuple[dict[str, str], bool]:
+    """The mapping, and whether its values are local paths (the bundled copy)."""
+    loaded = _load_repo(repo, version, revision)
+    plan = _plan(source, loaded)
+    mapping = {
+        layer: loaded.spec(repo, version, revision, layer) for layer in sorted(plan.served())
+    }
+    return mapping, loaded.bundled is not None
 
 
 def training_kernel_config(
@@ -106,7 +154,9 @@ def training_kernel_config(
     use ``apply_training_kernels(model)``."""
     from transformers import KernelConfig
 
-    mapping = training_kernel_mapping(source, repo=repo, version=version, revision=revision)
+    mapping, local = _mapping(source, repo, version, revision)
+    if local:  # transformers loads "/path:Layer" values with use_local_kernel
+        return KernelConfig(kernel_mapping=mapping, use_local_kernel=True)
     if revision is None and version in (None, 1):
         return KernelConfig(kernel_mapping=mapping)
     meta = {"revision": revision} if revision is not None else {"version": version}
