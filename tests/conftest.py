@@ -19,6 +19,7 @@ telemetry off.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -41,6 +42,13 @@ os.environ.pop("HF_TOKEN", None)
 os.environ["NO_PROXY"] = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1,localhost"]))
 
 HUB_URL = _SERVER.url
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the session's server and remove its folder: a run leaves nothing in the temp folder
+    (scripts/test.sh also runs pytest inside a folder it removes; a direct run has none)."""
+    _SERVER.shutdown()
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 class Hub:

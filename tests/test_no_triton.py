@@ -4,7 +4,8 @@ The child process hides Triton the way a machine without it looks (``sys.modules
 None``: ``import triton`` raises ModuleNotFoundError and ``importlib.util.find_spec`` answers
 None), then binds the training kernels to a tiny model and trains it on the torch formulas. A
 call that would need Triton (here Triton's interpreter; on a GPU, any CUDA tensor) raises the
-loader's typed MissingDependency with the install hint.
+kernels' typed TritonMissing (a ModuleNotFoundError) with the install hint; on a GPU,
+apply_training_kernels says so before binding (tests/gpu/test_no_triton_gpu.py).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ try:
     training.rms_norm(torch.randn(4, 8), torch.ones(8), 1e-6)
     error = None
 except ImportError as exc:
-    error = {"type": type(exc).__name__, "kernels_error": isinstance(exc, kernels.KernelsError),
-             "message": exc.message, "hint": exc.hint}
+    error = {"type": type(exc).__name__, "module_not_found": isinstance(exc, ModuleNotFoundError),
+             "message": exc.message, "hint": exc.hint, "str": str(exc)}
 print(json.dumps({
     "bound": sum(e.status == "bound" for e in report),
     "losses": losses,
@@ -78,10 +79,12 @@ def test_cpu_training_needs_no_triton_and_a_gpu_call_says_what_to_install(tmp_pa
     assert result["grads"] < 1e-4, result
     assert not result["triton_imported"]
     assert result["error"] == {
-        "type": "MissingDependency",
-        "kernels_error": True,
+        "type": "TritonMissing",
+        "module_not_found": True,
         "message": "triton is not installed (needed for Triton's interpreter (TRITON_INTERPRET=1))",
         "hint": "pip install 'kernels[training]' (or pip install triton)",
+        "str": "triton is not installed (needed for Triton's interpreter (TRITON_INTERPRET=1))\n"
+        "hint: pip install 'kernels[training]' (or pip install triton)",
     }
 
 

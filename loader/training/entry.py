@@ -22,7 +22,13 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import HubUnavailable, InvalidSpec, KernelNotFound, OfflineCacheMiss
+from ..errors import (
+    HubUnavailable,
+    InvalidSpec,
+    KernelNotFound,
+    MissingDependency,
+    OfflineCacheMiss,
+)
 from .classify import Plan, classify
 
 TRAINING_REPO = "kernels-lab/training"
@@ -35,6 +41,18 @@ def _spec(repo: str, version: int | None, revision: str | None, layer: str) -> s
     if revision is not None:
         return f"{repo}@{revision}:{layer}"
     return f"{repo}:{layer}" if version in (None, 1) else f"{repo}@v{version}:{layer}"
+
+
+def _require_triton(device: str) -> None:
+    """MissingDependency, before anything is bound, when the kernels would launch Triton (on
+    `device`) and it is not installed; the CPU's torch formulas need none."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise MissingDependency(
+            f"triton is not installed, and the training kernels need it on {device}",
+            hint="pip install 'kernels[training]' (or pip install triton)",
+        )
 
 
 @dataclass(frozen=True)
@@ -152,8 +170,11 @@ def training_kernel_config(
     """A transformers ``KernelConfig`` for ``from_pretrained(..., use_kernels=True,
     kernel_config=...)``. transformers accepts KernelConfig on accelerators only; on the CPU
     use ``apply_training_kernels(model)``."""
+    import torch
     from transformers import KernelConfig
 
+    if torch.cuda.is_available():
+        _require_triton("CUDA")
     mapping, local = _mapping(source, repo, version, revision)
     if local:  # transformers loads "/path:Layer" values with use_local_kernel
         return KernelConfig(kernel_mapping=mapping, use_local_kernel=True)
@@ -177,5 +198,7 @@ def apply_training_kernels(
     Works on any device, under the Trainer, FSDP2 and torch.compile."""
     from ..layers import apply_kernels
 
+    if any(p.is_cuda for p in model.parameters()):
+        _require_triton("CUDA")
     mapping = training_kernel_mapping(model, repo=repo, version=version, revision=revision)
     return apply_kernels(model, mapping, mode=mode)

@@ -25,17 +25,20 @@ except ModuleNotFoundError as exc:
     AVAILABLE = False
 
 
-def missing(needed_for: str) -> ImportError:
-    """The error for a call that needs Triton here: the loader's MissingDependency when this
-    kernel was loaded by this project's `kernels`, else a ModuleNotFoundError."""
-    message = f"triton is not installed (needed for {needed_for})"
-    try:
-        from kernels.errors import KernelsError, MissingDependency
-    except ImportError:  # another loader (the reference `kernels`): the builtin type
-        return ModuleNotFoundError(f"{message}; {HINT}", name="triton")
-    if not issubclass(MissingDependency, KernelsError):
-        return ModuleNotFoundError(f"{message}; {HINT}", name="triton")
-    return MissingDependency(message, hint=HINT)
+class TritonMissing(ModuleNotFoundError):
+    """Triton is needed for this call and is not installed; `hint` says what to install. (Not the
+    loader's MissingDependency: this folder imports nothing of any loader, so it runs under the
+    reference `kernels` too.)"""
+
+    def __init__(self, message: str, hint: str = HINT) -> None:
+        super().__init__(f"{message}\nhint: {hint}", name="triton")
+        self.message = message
+        self.hint = hint
+
+
+def missing(needed_for: str) -> TritonMissing:
+    """The error for a call that needs Triton here."""
+    return TritonMissing(f"triton is not installed (needed for {needed_for})")
 
 
 class _Unlaunchable:
@@ -81,4 +84,4 @@ if not AVAILABLE:
     tl = _StandIn("triton.language")
     tl.constexpr = _Constexpr
 
-__all__ = ["AVAILABLE", "HINT", "missing", "tl", "triton"]
+__all__ = ["AVAILABLE", "HINT", "TritonMissing", "missing", "tl", "triton"]

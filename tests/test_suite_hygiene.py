@@ -1,0 +1,30 @@
+"""What a plain `pytest` run leaves and says (issue 31): no temp folder left behind, and on a
+machine without CUDA one line for the GPU tests instead of a skip line each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_run_without_cuda_leaves_nothing_and_says_why_once(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_ADDOPTS")}
+    env.update(TMPDIR=str(scratch), CUDA_VISIBLE_DEVICES="")  # no GPU, whatever the machine
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + [f"--basetemp={tmp_path / 'basetemp'}", "tests/gpu/test_losses_gpu.py"]
+        + ["tests/test_import_graph.py::test_circles_are_found"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "1 passed" in out.stdout and "deselected" in out.stdout, out.stdout
+    gpu = [line for line in out.stdout.splitlines() if line.startswith("tests/gpu:")]
+    assert len(gpu) == 1 and gpu[0].endswith(" not run: no CUDA GPU in this process"), gpu
+    assert "SKIPPED" not in out.stdout
+    assert sorted(p.name for p in scratch.iterdir()) == []  # no kernels-tests-* folder
