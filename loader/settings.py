@@ -101,8 +101,9 @@ def _read_config() -> dict:
     return load_toml(path)
 
 
-def load_toml(path: Path) -> dict:
-    """Parse a TOML file; InvalidSpec with the file's name when it is broken."""
+def load_toml(path: Path, *, what: str = "config file", hint: str | None = None) -> dict:
+    """Parse a TOML file; InvalidSpec naming `what` and the file when it is broken, with `hint`
+    (default: fix or remove it, right for the optional config file)."""
     try:
         raw = path.read_bytes()
     except OSError:
@@ -117,8 +118,8 @@ def load_toml(path: Path) -> dict:
         from .errors import InvalidSpec
 
         raise InvalidSpec(
-            f"config file {path} is not valid TOML: {exc}",
-            hint=f"fix or remove {path}",
+            f"{what} {path} is not valid TOML: {exc}",
+            hint=hint or f"fix or remove {path}",
         ) from None
 
 

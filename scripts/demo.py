@@ -177,4 +177,8 @@ def demo(work: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the `finally` above stopped the server; one line, no stack
+        print("\ndemo: interrupted", file=sys.stderr)
+        sys.exit(130)

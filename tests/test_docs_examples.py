@@ -122,6 +122,28 @@ def test_cli_doc_examples_are_current(docs_env):
     )
 
 
+_TOML = re.compile(r"^```toml\n(.*?)^```\n", re.S | re.M)
+
+
+def test_the_docs_dependency_tables_lock_against_the_projects_mirror(docs_env):
+    """A [tool.kernels.dependencies] example in the docs names what the mirror built from
+    hub_kernels/ has (e.g. no tag the mirror lacks), so copying it into a project works."""
+    work, env, url, cache = docs_env
+    tables = [
+        (page, m[1])
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        for m in _TOML.finditer(page.read_text())
+        if "[tool.kernels.dependencies]" in m[1]
+    ]
+    assert tables, "no dependency table in the docs"
+    for n, (page, table) in enumerate(tables):
+        project = work / f"docs-project-{n}"
+        project.mkdir()
+        (project / "pyproject.toml").write_text(table)
+        out = _run(f"kernels lock {project.name}", work, env, url, cache)
+        assert f"wrote {project.name}/kernels.lock" in out, (page.name, table, out)
+
+
 def test_every_script_the_docs_name_exists():
     """Pages name scripts by path; moving one (e.g. into scripts/probes/) must update them.
     Raw outputs in per-run folders (docs/benchmarks/<run>/) keep the command as it was run."""

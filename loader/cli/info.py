@@ -74,9 +74,21 @@ def _local_info(path: Path, backend) -> dict:
         "source": str(path),
         "where": {"path": str(path.resolve())},
         "metadata": meta,
+        "metadata_variant": first.name if first else None,
         "trace": trace,
         "unprobed": unprobed,
     }
+
+
+def _backend_text(meta, variant: str | None) -> str:
+    """The backend a variant runs on: metadata.json's, except for a torch-universal build, which
+    runs on any (its metadata names one only because the Hub's schema asks for one)."""
+    from ..variants import parse_variant
+
+    parsed = parse_variant(variant) if variant else None
+    if parsed is not None and parsed.kind == "universal":
+        return f"any (torch-universal; metadata.json says {meta.backend_type})"
+    return meta.backend_type
 
 
 def _hub_info(text: str, backend) -> dict:
@@ -134,7 +146,8 @@ def run_info(args: argparse.Namespace) -> int:
     print(info["source"])
     if meta is not None:
         print(
-            f"  name {meta.name}, version {meta.version}, license {meta.license}, backend {meta.backend_type}"
+            f"  name {meta.name}, version {meta.version}, license {meta.license}, "
+            f"backend {_backend_text(meta, info.get('metadata_variant'))}"
         )
         if meta.python_depends:
             print(f"  python depends: {', '.join(meta.python_depends)}")
@@ -235,12 +248,16 @@ def run_versions(args: argparse.Namespace) -> int:
         rows.append(
             {"version": number, "commit": commit, "variant": best, "trace": [str(e) for e in trace]}
         )
+    if not rows and source != settings.endpoint():
+        _nothing_known(repo_id)
     if args.json:
         print(json.dumps({"repo_id": repo_id, "source": source, "versions": rows}, sort_keys=True))
         return 0
     if not rows:
         print(f"{repo_id}: no v<N> version branches ({source})")
         return 0
+    if source != settings.endpoint():
+        source = "from this machine's cache: " + source[len("cache (") : -1]
     print(f"{repo_id} ({source})")
     for row in rows:
         if "error" in row:
@@ -249,6 +266,24 @@ def run_versions(args: argparse.Namespace) -> int:
         fit = row["variant"] or "no compatible variant here"
         print(f"  v{row['version']}  {row['commit'][:12]}  -> {fit}")
     return 0
+
+
+def _nothing_known(repo_id: str) -> None:
+    """`versions` could not ask the Hub and the cache knows no version: an error, not an empty
+    answer."""
+    from .. import settings
+    from ..errors import HubUnavailable, OfflineCacheMiss
+
+    never = "and this machine has resolved no version of it"
+    if settings.offline():
+        raise OfflineCacheMiss(
+            f"{repo_id}: offline, {never}",
+            hint=f"run `kernels versions {repo_id}` with the network (unset HF_HUB_OFFLINE)",
+        )
+    raise HubUnavailable(
+        f"{repo_id}: the Hub at {settings.endpoint()} cannot be reached, {never}",
+        hint="check the network and HF_ENDPOINT",
+    )
 
 
 def add_env_arguments(parser: argparse.ArgumentParser) -> None:
@@ -262,10 +297,14 @@ def run_env(args: argparse.Namespace) -> int:
     from .. import settings
     from .._version import __version__
     from ..api import _cache, _system
+    from ..errors import KernelsError
     from ..variants import VariantAccepted, select_variants
 
     system = _system(args.backend)
-    cache = _cache()
+    try:
+        cache, cache_error = _cache(), None
+    except KernelsError as exc:  # reported below, with everything else env knows
+        cache, cache_error = None, f"{exc.message} ({exc.hint})" if exc.hint else exc.message
     try:
         import torch
 
@@ -279,7 +318,7 @@ def run_env(args: argparse.Namespace) -> int:
     except Exception:
         hub_version = None
     selections = []
-    for repo in cache.records.repos():
+    for repo in cache.records.repos() if cache is not None else []:
         for record in cache.records.revisions(repo):
             listing = cache.index.get_listing(repo, record.commit)
             if listing is None:
@@ -298,8 +337,9 @@ def run_env(args: argparse.Namespace) -> int:
         "backend": system.backend,
         "cxx11_abi": system.cxx11_abi,
         "gpu_archs": list(system.gpu_archs),
-        "cache": str(cache.root),
-        "cache_writable": cache.writable,
+        "cache": str(settings.cache_root()),
+        "cache_writable": cache is not None and cache.writable,
+        "cache_error": cache_error,
         "endpoint": settings.endpoint(),
         "offline": settings.offline(),
         "resolve_ttl_s": settings.resolve_ttl(),
@@ -311,7 +351,10 @@ def run_env(args: argparse.Namespace) -> int:
         print(json.dumps(env, sort_keys=True))
         return 0
     for key, value in env.items():
-        if key == "cached_kernels":
+        if key == "cache_error":
+            if value is not None:
+                print(f"cache_error: {value}")
+        elif key == "cached_kernels":
             print("cached kernels (variant this machine would select):")
             for s in value:
                 print(
