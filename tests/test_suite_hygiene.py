@@ -1,5 +1,6 @@
-"""What a plain `pytest` run leaves and says (issue 31): no temp folder left behind, and on a
-machine without CUDA one line for the GPU tests instead of a skip line each."""
+"""What a plain `pytest` run leaves and says (issue 31): no temp folder left behind, on a
+machine without CUDA one line for the GPU tests instead of a skip line each, and Triton's
+interpreter only where tests/kernels asks for it."""
 
 from __future__ import annotations
 
@@ -28,3 +29,22 @@ def test_a_run_without_cuda_leaves_nothing_and_says_why_once(tmp_path):
     assert len(gpu) == 1 and gpu[0].endswith(" not run: no CUDA GPU in this process"), gpu
     assert "SKIPPED" not in out.stdout
     assert sorted(p.name for p in scratch.iterdir()) == []  # no kernels-tests-* folder
+
+
+def test_kernels_take_their_torch_path_outside_tests_kernels():
+    """tests/conftest.py: outside tests/kernels the kernels dispatch to their torch formulas even
+    in a run that switched the interpreter on (tests/kernels/test_package.py runs this test in
+    such a run), while Triton still decorates for the interpreter."""
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    triton = sys.modules.get("triton")
+    if triton is None:
+        return  # nothing imported Triton: nothing to decorate
+    import triton.language.standard as standard
+
+    if type(standard.sum).__name__ == "InterpretedFunction":  # imported under the interpreter
+
+        @triton.jit
+        def probe(x):
+            pass
+
+        assert type(probe).__name__ == "InterpretedFunction"  # a kernel imported now, too
