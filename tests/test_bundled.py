@@ -126,6 +126,14 @@ def test_a_named_repo_version_or_revision_is_never_replaced(monkeypatch, notices
     assert notices_seen() == []
 
 
+def test_a_local_kernels_folder_is_never_replaced(monkeypatch, tmp_path, notices_seen):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("LOCAL_KERNELS", f"{REPO}={tmp_path / 'missing'}")
+    with pytest.raises(kernels.KernelNotFound):
+        kernels.training_kernel_mapping(tiny_llama())
+    assert notices_seen() == []
+
+
 def _copy(tmp_path: Path) -> Path:
     copy = tmp_path / "bundle"
     shutil.copytree(TREE, copy, ignore=shutil.ignore_patterns("__pycache__"))

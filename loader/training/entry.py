@@ -55,6 +55,17 @@ def _require_triton(device: str) -> None:
         )
 
 
+def _named_locally(repo: str) -> bool:
+    """Whether LOCAL_KERNELS maps `repo` to a folder: the user's choice, never replaced."""
+    import os
+
+    if not os.environ.get("LOCAL_KERNELS"):
+        return False
+    from ..local_kernels import override_for
+
+    return override_for(repo) is not None
+
+
 @dataclass(frozen=True)
 class _Source:
     """The loaded kernel repo, and the verified tree of the bundled copy when that stands in."""
@@ -76,7 +87,7 @@ def _load_repo(repo: str, version: int | None, revision: str | None) -> _Source:
     try:
         return _Source(get_kernel(repo, version=version or 1))
     except _NOT_SERVED as exc:
-        if repo != TRAINING_REPO or version not in (None, 1):
+        if repo != TRAINING_REPO or version not in (None, 1) or _named_locally(repo):
             raise
         from ..bundled import load
 

@@ -9,10 +9,11 @@ Two things keep it from running, and each is decided once the whole collection i
   never sees it. The GPU tests would then run their kernels through the interpreter (on the
   CPU, for hours at these shapes, proving nothing about the compiled path).
 
-Then the folder's tests are deselected, not skipped one by one: the summary counts them among
-the deselected and one line at the end gives the reason, instead of a line per test. Run on a
-GPU in its own process: ``python -m pytest tests/gpu``. tests/kernels/test_package.py checks the
-interpreter case and tests/test_suite_hygiene.py the CPU case, each in a subprocess.
+Then every test of the folder is skipped with that one plain reason, and one line at the end of
+the run says so for the folder (pytest's summary lists skips only with `-rs`), instead of a line
+per test. Run on a GPU in its own process: ``python -m pytest tests/gpu``.
+tests/kernels/test_package.py checks the interpreter case and tests/test_suite_hygiene.py the
+CPU case, each in a subprocess.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     reason = _reason() if ours else None
     if reason is None:
         return
-    dropped = set(ours)
-    items[:] = [item for item in items if item not in dropped]
-    config.hook.pytest_deselected(items=ours)
+    # A skipif on the item itself is evaluated before the modules' own "no CUDA" skipifs.
+    mark = pytest.mark.skipif(True, reason=reason)
+    for item in ours:
+        item.add_marker(mark)
     _not_run.append((len(ours), reason))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     for count, reason in _not_run:
         tests = "test" if count == 1 else "tests"
-        terminalreporter.write_line(f"tests/gpu: {count} {tests} not run: {reason}")
+        terminalreporter.write_line(f"tests/gpu: {count} {tests} skipped: {reason}")
