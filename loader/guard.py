@@ -9,41 +9,53 @@ UnsafePermissions and the command that fixes it. docs/security.md has the threat
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
-from kernels.cache import Cache, Exposure
-from kernels.cache.safety import check_path
+from kernels.cache import Cache
 
 from . import settings
-from .errors import UnsafePermissions
+from .errors import CacheError
+from .exposure import refuse_exposed, unsafe
 from .notices import notice_once
 
-
-def unsafe(exposure: Exposure, what: str) -> UnsafePermissions:
-    return UnsafePermissions(
-        f"refusing {what}: {exposure.path} is {exposure.why}, so another user could change "
-        "which code runs",
-        hint=f"run `{exposure.fix()}`, or use a path only you can write",
-    )
+__all__ = ["check_cache_root", "lock_wait_notice", "open_cache", "refuse_exposed", "unsafe"]
+_CACHE_HINT = "set KERNELS_CACHE to a folder, or a path where one can be made"
 
 
-def refuse_exposed(path: Path, what: str) -> None:
-    """Raise UnsafePermissions when `path` or a folder above it is writable by other users."""
-    exposure = check_path(path)
-    if exposure is not None:
-        raise unsafe(exposure, f"{what} {path}")
+def check_cache_root(root: Path) -> None:
+    """CacheError when `root` is a file, or lies under one (no folder can be made there): said
+    as such, never as a permission problem. One `stat` when the root is a folder."""
+    for path in (root, *root.parents):
+        try:
+            mode = os.stat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet, or under a file: look further up
+        except OSError:
+            return  # unreadable: the permission check says why
+        if stat.S_ISDIR(mode):
+            return
+        if path == root:
+            raise CacheError(f"the cache {root} is a file, not a folder", hint=_CACHE_HINT)
+        raise CacheError(
+            f"the cache {root} is under {path}, which is a file, not a folder", hint=_CACHE_HINT
+        )
 
 
 def lock_wait_notice(holder: str) -> None:
     notice_once(f"lock-wait:{holder}", f"kernels: waiting for a cache lock held by {holder}")
 
 
-def open_cache(*, check: bool = True) -> Cache:
-    """The cache of this process's settings, scoped to its Hub endpoint, with lock deadlines.
-    With `check`, refuse a cache other users can write (UnsafePermissions)."""
+def open_cache(*, check: bool = True, endpoint: str | None = None) -> Cache:
+    """The cache of this process's settings, scoped to its Hub endpoint (or to `endpoint`, e.g.
+    the bundled kernels' pseudo-endpoint), with lock deadlines. With `check`, refuse a cache
+    other users can write (UnsafePermissions)."""
+    root = settings.cache_root()
+    check_cache_root(root)
     cache = Cache(
-        settings.cache_root(),
-        endpoint=settings.endpoint(),
+        root,
+        endpoint=endpoint or settings.endpoint(),
         lock_timeout=settings.lock_timeout(),
         on_lock_wait=lock_wait_notice,
     )

@@ -208,8 +208,17 @@ def write_lock(lock: Lockfile, path: Path) -> None:
     atomic_write_bytes(path, lock.dumps().encode("utf-8"))
 
 
+def dependency_hint(pyproject: Path | str, repo_id: str) -> str:
+    """What a dependency line of pyproject.toml may say: the fix for one that is wrong."""
+    return (
+        f'in {pyproject}, [tool.kernels.dependencies]: write "{repo_id}" = 1 for version 1 '
+        f'(a number), or "{repo_id}" = "<branch|tag|40-hex commit>"'
+    )
+
+
 def read_dependencies(pyproject: Path) -> dict[str, Requested]:
-    """[tool.kernels.dependencies] of a pyproject.toml."""
+    """[tool.kernels.dependencies] of a pyproject.toml; a LockfileError's hint says what to fix
+    in the file."""
     from .toml_text import TomlError, loads
 
     try:
@@ -217,17 +226,29 @@ def read_dependencies(pyproject: Path) -> dict[str, Requested]:
     except FileNotFoundError:
         raise LockfileError(f"{pyproject}: no such file") from None
     except (OSError, UnicodeDecodeError, TomlError) as exc:
-        raise LockfileError(f"{pyproject}: cannot parse ({exc})") from None
+        raise LockfileError(
+            f"{pyproject}: cannot parse ({exc})",
+            hint=f"fix the TOML syntax of {pyproject} at the line named above",
+        ) from None
     deps = data.get("tool", {}).get("kernels", {}).get("dependencies", {})
     if not isinstance(deps, dict):
-        raise LockfileError(f"{pyproject}: [tool.kernels.dependencies] must be a table")
+        raise LockfileError(
+            f"{pyproject}: [tool.kernels.dependencies] must be a table",
+            hint=f'in {pyproject}, write [tool.kernels.dependencies] with lines "org/repo" = 1',
+        )
     out = {}
     for repo_id, raw in deps.items():
         try:
             validate_repo_id(repo_id)
         except Exception as exc:
-            raise _bad(pyproject, getattr(exc, "message", str(exc))) from None
-        out[repo_id] = _requested(repo_id, raw, pyproject)
+            raise LockfileError(
+                f"{pyproject}: {getattr(exc, 'message', exc)}",
+                hint=f'in {pyproject}, [tool.kernels.dependencies]: name each kernel "org/repo"',
+            ) from None
+        try:
+            out[repo_id] = _requested(repo_id, raw, pyproject)
+        except LockfileError as exc:
+            raise LockfileError(exc.message, hint=dependency_hint(pyproject, repo_id)) from None
     return out
 
 

@@ -12,6 +12,7 @@ answered it or a record holds it: anything else would be used as a path and a ca
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
         )
         return Resolution(repo_id, ref, record.commit, "stale-record")
     except RevisionNotFound as exc:
-        raise _explain_missing_revision(repo_id, ref, spec.version, exc) from exc
+        raise _explain_missing_revision(cache, repo_id, ref, spec.version, exc) from exc
     if not is_commit(commit):
         raise IntegrityError(
             f"{repo_id}@{ref}: the server at {settings.endpoint()} answered a malformed commit "
@@ -113,27 +114,63 @@ def resolve(cache: Cache, spec: KernelSpec, *, offline: bool, ttl: float) -> Res
 
 
 def _explain_missing_revision(
-    repo_id: str, ref: str, version: int | None, cause: RevisionNotFound
+    cache: Cache, repo_id: str, ref: str, version: int | None, cause: RevisionNotFound
 ) -> RevisionNotFound:
     # The types and the version wording are the reference's, which callers catch and match: a
     # missing revision is also huggingface_hub's RevisionNotFoundError, a missing version also
-    # a ValueError ("Version N not found, available versions: 1, 2, 10").
+    # a ValueError ("Version N not found, available versions: 1, 2, 10"). The requests made
+    # here (the repo's refs) are on this error path only.
     from .hub_errors import revision_not_found
 
     if version is None:
-        return revision_not_found(f"{repo_id} has no branch, tag or commit {ref!r}", cause)
+        err = revision_not_found(
+            f"{repo_id} has no branch, tag or commit {ref!r}",
+            cause,
+            hint=_missing_revision_hint(cache, repo_id, ref),
+        )
+    else:
+        branches = _refs(repo_id)["branches"]
+        versions = sorted(v for v in (parse_version_branch(b) for b in branches) if v is not None)
+        listed = ", ".join(str(v) for v in versions) if versions else "none"
+        err = VersionNotFound(
+            f"{repo_id}: Version {version} not found, available versions: {listed}",
+            hint=f"use version={versions[-1]}" if versions else None,
+        )
+    err.repo_id, err.ref = repo_id, ref  # for hints phrased elsewhere (the CLI's pyproject ones)
+    return err
+
+
+def _refs(repo_id: str) -> dict[str, dict[str, str]]:
+    """The repo's branches and tags, or none when they cannot be listed (best effort: the error
+    being explained stands on its own)."""
     from . import hub
 
     try:
-        branches = hub.list_refs(repo_id)["branches"]
-    except Exception:  # the explanation is best effort; the error below stands on its own
-        branches = {}
-    versions = sorted(v for v in (parse_version_branch(b) for b in branches) if v is not None)
-    listed = ", ".join(str(v) for v in versions) if versions else "none"
-    return VersionNotFound(
-        f"{repo_id}: Version {version} not found, available versions: {listed}",
-        hint=f"use version={versions[-1]}" if versions else None,
-    )
+        return hub.list_refs(repo_id)
+    except Exception:
+        return {"branches": {}, "tags": {}}
+
+
+_SHORT_SHA = re.compile(r"[0-9a-f]{4,39}\Z")
+
+
+def _missing_revision_hint(cache: Cache, repo_id: str, ref: str) -> str | None:
+    """What `ref` was probably meant to be: `N` for the version branch vN, an abbreviated
+    commit for the full one (from the repo's refs and this machine's records). None: the
+    error's default hint."""
+    if ref.isdigit():
+        if f"v{ref}" in _refs(repo_id)["branches"]:
+            return f"did you mean version={ref}? '{ref}' is read as a branch or tag name"
+        return None
+    if not _SHORT_SHA.match(ref):
+        return None
+    refs = _refs(repo_id)
+    known = {*refs["branches"].values(), *refs["tags"].values()}
+    known.update(record.commit for record in cache.records.revisions(repo_id))
+    matches = sorted(c for c in known if c.startswith(ref))
+    if len(matches) == 1:
+        return f"a commit is given in full (40 hex digits): did you mean {matches[0]}?"
+    return f"a commit is given in full (40 hex digits): run `kernels versions {repo_id}`"
 
 
 def available_versions(repo_id: str) -> dict[int, str]:

@@ -109,7 +109,7 @@ def _read_config() -> dict:
         return {}
     if not stat.S_ISREG(st.st_mode):
         return {}
-    from .guard import refuse_exposed
+    from .exposure import refuse_exposed
 
     refuse_exposed(path, "the kernels config file (it decides whom to trust)")
     key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -121,8 +121,9 @@ def _read_config() -> dict:
     return table
 
 
-def load_toml(path: Path) -> dict:
-    """Parse a TOML file; InvalidSpec with the file's name when it is broken."""
+def load_toml(path: Path, *, what: str = "config file", hint: str | None = None) -> dict:
+    """Parse a TOML file; InvalidSpec naming `what` and the file when it is broken, with `hint`
+    (default: fix or remove it, right for the optional config file)."""
     try:
         raw = path.read_bytes()
     except OSError:
@@ -137,8 +138,8 @@ def load_toml(path: Path) -> dict:
         from .errors import InvalidSpec
 
         raise InvalidSpec(
-            f"config file {path} is not valid TOML: {exc}",
-            hint=f"fix or remove {path}",
+            f"{what} {path} is not valid TOML: {exc}",
+            hint=hint or f"fix or remove {path}",
         ) from None
 
 

@@ -36,16 +36,12 @@ from .errors import KernelNotFound, KernelStatusError
 if TYPE_CHECKING:
     from .status_file import Redirect
 
-FILENAME = "kernel-status.toml"
-# A status file is three short lines. tomllib takes time quadratic in a dotted key's depth (a
-# 64 KiB key took 27 s), so the cap is small: at 4 KiB the worst file parses in a fraction of a second.
-MAX_BYTES = 4 * 1024
 MAX_HOPS = 4
 
 
 def __getattr__(name: str):
     # The file's format is read only when a record holds a status file: most repos have none.
-    if name in ("Redirect", "parse"):
+    if name in ("FILENAME", "MAX_BYTES", "Redirect", "parse"):
         from . import status_file
 
         return getattr(status_file, name)
@@ -60,6 +56,7 @@ def _record_path(cache: Cache, repo_id: str, commit: str) -> Path:
 def _fetch(repo_id: str, commit: str) -> bytes:
     """The file's bytes at `commit`, b"" when the repo has none. One request."""
     from . import hub
+    from .status_file import FILENAME, MAX_BYTES
 
     chunks: list[bytes] = []
     size = 0
@@ -125,10 +122,11 @@ def _decode(data: bytes, repo_id: str, commit: str) -> Redirect | None:
     """The status a file's bytes state (None for no file); KernelStatusError when malformed."""
     if not data:
         return None
+    from .status_file import FILENAME, parse
+
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise KernelStatusError(f"{repo_id}@{commit[:12]}: {FILENAME} is not UTF-8") from None
-    from .status_file import parse
 
     return parse(text, where=f"{repo_id}@{commit[:12]}/{FILENAME}")

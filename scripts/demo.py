@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,10 +82,18 @@ def requests_made(url: str) -> list:
     return [r for r in data["requests"] if "agent-harnesses" not in str(r)]
 
 
+def _interrupted(returncode: int) -> bool:
+    """A child that Ctrl-C stopped (it shares the terminal's process group): the demo stops too,
+    with its one line, not the child's traceback."""
+    return returncode in (-signal.SIGINT, 128 + signal.SIGINT)
+
+
 def run(code: str, env: dict) -> str:
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True
     )
+    if _interrupted(out.returncode):
+        raise KeyboardInterrupt
     if out.returncode != 0:
         sys.stderr.write(out.stderr)
         raise SystemExit(f"demo step failed (exit {out.returncode})")
@@ -106,6 +115,8 @@ def main() -> int:
 def kernels_cli(*args: str) -> str:
     """Run the `kernels` command line as a user would (`python -m kernels` is the same)."""
     out = subprocess.run([sys.executable, "-m", "kernels", *args], capture_output=True, text=True)
+    if _interrupted(out.returncode):
+        raise KeyboardInterrupt
     if out.returncode != 0:
         sys.stderr.write(out.stderr)
         raise SystemExit(f"kernels {' '.join(args)} failed (exit {out.returncode})")
@@ -123,6 +134,9 @@ def demo(work: Path) -> int:
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "KERNELS_SERVE_TOKEN": LOG_TOKEN},
+        # Its own session: Ctrl-C stops the demo, whose `finally` stops the server, rather than
+        # the server vanishing under a request the demo is making.
+        start_new_session=True,
     )
     try:
         line = server.stdout.readline().strip()  # "serving DIR on http://127.0.0.1:PORT"
@@ -174,4 +188,8 @@ def demo(work: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the `finally` above stopped the server; one line, no stack
+        print("\ndemo: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -19,6 +19,7 @@ telemetry off.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -42,6 +43,13 @@ os.environ.pop("HF_TOKEN", None)
 os.environ["NO_PROXY"] = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1,localhost"]))
 
 HUB_URL = _SERVER.url
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the session's server and remove its folder: a run leaves nothing in the temp folder
+    (scripts/test.sh also runs pytest inside a folder it removes; a direct run has none)."""
+    _SERVER.shutdown()
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 class Hub:
@@ -99,6 +107,36 @@ def hub(tmp_path: Path) -> Iterator[Hub]:
         yield Hub(root, _SERVER)
     finally:
         _reset_server(_EMPTY_ROOT)
+
+
+KERNELS_TESTS = Path(__file__).resolve().parent / "kernels"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.fixture(autouse=True)
+def _torch_path_outside_tests_kernels(request: pytest.FixtureRequest, monkeypatch) -> None:
+    """Only tests/kernels runs the kernels on Triton's interpreter. Its conftest switches the
+    interpreter on for the whole process (it must be on before triton is imported), which made
+    every other test of a run that collects it (the whole suite) run its bound kernels
+    interpreted: tests/models three times slower than alone, for no extra coverage. Here every
+    other test gets the kernels' torch formulas, as in a run of its own folder: the kernels read
+    TRITON_INTERPRET when they dispatch, so it is unset for the test, while Triton's own switch
+    stays on (its `knobs` override) so that a kernel imported now is still decorated for the
+    interpreter, as tests/kernels needs if it uses the same module later."""
+    if not _interpreting() or KERNELS_TESTS in Path(str(request.node.path)).parents:
+        return
+    try:
+        import triton
+    except ImportError:
+        return
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:  # a Triton before 3.4: no override, so the interpreter stays on everywhere
+        return
+    knobs.runtime.interpret = True  # decoration keeps using the interpreter (process-wide)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 _HF_PATH_CONSTANTS = {

@@ -124,6 +124,32 @@ def test_cli_doc_examples_are_current(docs_env):
     )
 
 
+_TOML = re.compile(r"^```toml\n(.*?)^```\n", re.S | re.M)
+
+
+def test_the_docs_dependency_tables_lock_against_the_projects_mirror(hub, tmp_path, capsys):
+    """A [tool.kernels.dependencies] example in the docs names what the mirror built from
+    hub_kernels/ has (e.g. no tag the mirror lacks), so copying it into a project works."""
+    from kernels.cli.main import main
+
+    hub.build(ROOT / "hub_kernels")
+    tables = [
+        (page, m[1])
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        for m in _TOML.finditer(page.read_text())
+        if "[tool.kernels.dependencies]" in m[1]
+    ]
+    assert tables, "no dependency table in the docs"
+    for n, (page, table) in enumerate(tables):
+        project = tmp_path / f"docs-project-{n}"
+        project.mkdir()
+        (project / "pyproject.toml").write_text(table)
+        status = main(["lock", str(project)])
+        out = capsys.readouterr()
+        assert status == 0, (page.name, table, out.err)
+        assert (project / "kernels.lock").is_file()
+
+
 def test_every_script_the_docs_name_exists():
     """Pages name scripts by path; moving one (e.g. into scripts/probes/) must update them.
     Raw outputs in per-run folders (docs/benchmarks/<run>/) keep the command as it was run."""
@@ -135,6 +161,12 @@ def test_every_script_the_docs_name_exists():
             if not (ROOT / path).is_file():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, missing
+
+
+def test_research_probes_live_in_scripts_probes():
+    """scripts/ holds tools; one-off research probes go to scripts/probes/ (scripts/README.md)."""
+    stray = sorted(p.name for p in (ROOT / "scripts").glob("probe_*.py"))
+    assert stray == [], f"move these to scripts/probes/ and update the pages naming them: {stray}"
 
 
 # One run of each command with --json, after the sessions above filled the cache and wrote proj/.

@@ -75,9 +75,21 @@ def _local_info(path: Path, backend) -> dict:
         "source": str(path),
         "where": {"path": str(path.resolve())},
         "metadata": meta,
+        "metadata_variant": first.name if first else None,
         "trace": trace,
         "unprobed": unprobed,
     }
+
+
+def _backend_text(meta, variant: str | None) -> str:
+    """The backend a variant runs on: metadata.json's, except for a torch-universal build, which
+    runs on any (its metadata names one only because the Hub's schema asks for one)."""
+    from ..variants import parse_variant
+
+    parsed = parse_variant(variant) if variant else None
+    if parsed is not None and parsed.kind == "universal":
+        return f"any (torch-universal; metadata.json says {meta.backend_type})"
+    return meta.backend_type
 
 
 def _hub_info(text: str, backend) -> dict:
@@ -138,7 +150,7 @@ def run_info(args: argparse.Namespace) -> int:
         print(
             safe_text(
                 f"  name {meta.name}, version {meta.version}, license {meta.license}, "
-                f"backend {meta.backend_type}"
+                f"backend {_backend_text(meta, info.get('metadata_variant'))}"
             )
         )
         if meta.python_depends:
@@ -242,12 +254,16 @@ def run_versions(args: argparse.Namespace) -> int:
         rows.append(
             {"version": number, "commit": commit, "variant": best, "trace": [str(e) for e in trace]}
         )
+    if not rows and source != settings.endpoint():
+        _nothing_known(repo_id)
     if args.json:
         print(json.dumps({"repo_id": repo_id, "source": source, "versions": rows}, sort_keys=True))
         return 0
     if not rows:
         print(safe_text(f"{repo_id}: no v<N> version branches ({source})"))
         return 0
+    if source != settings.endpoint():
+        source = "from this machine's cache: " + source[len("cache (") : -1]
     print(safe_text(f"{repo_id} ({source})"))
     for row in rows:
         if "error" in row:
@@ -256,6 +272,24 @@ def run_versions(args: argparse.Namespace) -> int:
         fit = row["variant"] or "no compatible variant here"
         print(safe_text(f"  v{row['version']}  {row['commit'][:12]}  -> {fit}"))
     return 0
+
+
+def _nothing_known(repo_id: str) -> None:
+    """`versions` could not ask the Hub and the cache knows no version: an error, not an empty
+    answer."""
+    from .. import settings
+    from ..errors import HubUnavailable, OfflineCacheMiss
+
+    never = "and this machine has resolved no version of it"
+    if settings.offline():
+        raise OfflineCacheMiss(
+            f"{repo_id}: offline, {never}",
+            hint=f"run `kernels versions {repo_id}` with the network (unset HF_HUB_OFFLINE)",
+        )
+    raise HubUnavailable(
+        f"{repo_id}: the Hub at {settings.endpoint()} cannot be reached, {never}",
+        hint="check the network and HF_ENDPOINT",
+    )
 
 
 def add_env_arguments(parser: argparse.ArgumentParser) -> None:
@@ -269,10 +303,14 @@ def run_env(args: argparse.Namespace) -> int:
     from .. import settings
     from .._version import __version__
     from ..api import _cache, _system
+    from ..errors import KernelsError
     from ..variants import VariantAccepted, select_variants
 
     system = _system(args.backend)
-    cache = _cache()
+    try:
+        cache, cache_error = _cache(), None
+    except KernelsError as exc:  # reported below, with everything else env knows
+        cache, cache_error = None, f"{exc.message} ({exc.hint})" if exc.hint else exc.message
     try:
         import torch
 
@@ -286,7 +324,7 @@ def run_env(args: argparse.Namespace) -> int:
     except Exception:
         hub_version = None
     selections = []
-    for repo in cache.records.repos():
+    for repo in cache.records.repos() if cache is not None else []:
         for record in cache.records.revisions(repo):
             listing = cache.index.get_listing(repo, record.commit)
             if listing is None:
@@ -305,8 +343,9 @@ def run_env(args: argparse.Namespace) -> int:
         "backend": system.backend,
         "cxx11_abi": system.cxx11_abi,
         "gpu_archs": list(system.gpu_archs),
-        "cache": str(cache.root),
-        "cache_writable": cache.writable,
+        "cache": str(settings.cache_root()),
+        "cache_writable": cache is not None and cache.writable,
+        "cache_error": cache_error,
         "endpoint": settings.endpoint(),
         "offline": settings.offline(),
         "resolve_ttl_s": settings.resolve_ttl(),
@@ -320,7 +359,10 @@ def run_env(args: argparse.Namespace) -> int:
         return 0
     elsewhere = env.pop("cached_other_endpoints")
     for key, value in env.items():
-        if key == "cached_kernels":
+        if key == "cache_error":
+            if value is not None:
+                print(safe_text(f"cache_error: {value}"))
+        elif key == "cached_kernels":
             print("cached kernels (variant this machine would select):")
             for s in value:
                 print(
@@ -350,9 +392,12 @@ def run_env(args: argparse.Namespace) -> int:
 
 
 def _cached_elsewhere(cache) -> list[dict]:
-    """Commits installed in this cache only from endpoints other than the current one."""
+    """Commits installed in this cache only from endpoints other than the current one (none
+    when the cache cannot be used)."""
     from ..fetch import valid_install_key
 
+    if cache is None:
+        return []
     variants: dict[tuple[str, str], list[str]] = {}
     for repo, commit, variant, _tree in cache.all_index.entries():
         if valid_install_key(repo, commit, variant):  # never echo a malformed entry

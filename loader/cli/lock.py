@@ -43,7 +43,12 @@ def _check_project(project: Path) -> None:
         raise LockfileError(
             f"no pyproject.toml in {project}", hint=f"create it and {_DEPS_EXAMPLE}"
         )
-    table = load_toml(pyproject).get("tool", {}).get("kernels", {})
+    table = load_toml(
+        pyproject,
+        what="project file",
+        hint=f"fix the TOML syntax of {pyproject} at the line and column named above",
+    )
+    table = table.get("tool", {}).get("kernels", {})
     if not isinstance(table, dict) or "dependencies" not in table:
         raise LockfileError(
             f"{pyproject} has no [tool.kernels.dependencies] table", hint=_DEPS_EXAMPLE
@@ -51,14 +56,21 @@ def _check_project(project: Path) -> None:
 
 
 def run_lock(args: argparse.Namespace) -> int:
+    from ..errors import RevisionNotFound
     from ..locked import lock_project
 
     project = Path(args.project)
     _check_project(project)
     with progress_bar(enabled=sys.stdout.isatty() and not args.json) as progress:
-        lock, path = lock_project(
-            project, trust_remote_code=args.trust_remote_code or None, progress=progress
-        )
+        try:
+            lock, path = lock_project(
+                project, trust_remote_code=args.trust_remote_code or None, progress=progress
+            )
+        except RevisionNotFound as exc:  # a dependency line names a version or ref it lacks
+            from .hints import pyproject_hint
+
+            exc.hint = pyproject_hint(exc, project / "pyproject.toml")
+            raise
     if args.json:
         rows = [
             {

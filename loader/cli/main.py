@@ -12,6 +12,7 @@ takes `-q` (print nothing but errors and warnings) and `-v` (also say how things
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -41,12 +42,25 @@ COMMANDS = {
     "serve": ("serve", "serve a folder of kernel repos over the Hub's HTTP protocol"),
     "export": ("export", "write cached kernels as a folder `kernels serve` can serve"),
 }
-# Commands that never touch the cache: a bad KERNELS_CACHE must not stop them.
-_NO_CACHE = {"serve", "mirror"}
+# Commands that never touch the cache, or (env) report a bad one: a bad KERNELS_CACHE must not
+# stop them.
+_NO_CACHE = {"serve", "mirror", "env"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error printed the command line's way: one `error:` line and one
+    `hint:` line (a mistyped flag gets the closest real one: hints.unknown_flag_hint)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        from .hints import usage_hint
+
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        print(f"hint: {usage_hint(self, message)}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kernels",
         description="Load, cache, lock and serve compute kernels from the Hugging Face Hub.",
         epilog="Exit codes: 0 ok, 1 failure, 2 usage error. "
@@ -62,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _subparser(name: str) -> argparse.ArgumentParser:
     module_name, help_text = COMMANDS[name]
     module = importlib.import_module(f".{module_name}", __package__)
-    parser = argparse.ArgumentParser(prog=f"kernels {name}", description=help_text)
+    parser = _Parser(prog=f"kernels {name}", description=help_text)
     function = name.replace("-", "_")
     getattr(module, f"add_{function}_arguments")(parser)
     noise = parser.add_mutually_exclusive_group()
@@ -119,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kernels ... | head`: the reader left; nothing more to say
+        # What is still buffered goes nowhere, so the interpreter's flush at exit cannot fail.
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # not a real file
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        return EXIT_FAIL
     except Exception as exc:
         return report_error(exc)
     finally:
@@ -148,16 +167,11 @@ def _configure_output(args: argparse.Namespace) -> None:
 
 
 def _check_cache_root() -> None:
-    """A KERNELS_CACHE that names a file is an error, not an empty cache."""
+    """A KERNELS_CACHE that names a file (or a path under one) is an error, not an empty cache."""
     from .. import settings
-    from ..errors import CacheError
+    from ..guard import check_cache_root
 
-    root = settings.cache_root()
-    if root.exists() and not root.is_dir():
-        raise CacheError(
-            f"the cache {root} is a file, not a folder",
-            hint="set KERNELS_CACHE to a folder (it is created if missing)",
-        )
+    check_cache_root(settings.cache_root())
 
 
 def report_error(exc: BaseException) -> int:

@@ -7,19 +7,34 @@
 The model's modules are classified by structure (classify.py); the classes the kernels serve
 get layer names, the others keep their forward and carry the reason, which
 ``kernels.last_report(model)`` lists next to what was bound.
+
+The kernels come from `kernels-lab/training` at the endpoint (or the cache). When the default
+request (that repo, version 1) finds neither, the copy bundled with this package stands in
+(kernels/bundled.py), with one notice; a repo, version or revision the caller names never does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from ..errors import InvalidSpec
+from ..errors import (
+    HubUnavailable,
+    InvalidSpec,
+    KernelNotFound,
+    MissingDependency,
+    OfflineCacheMiss,
+)
 from .classify import Plan, classify
 
 TRAINING_REPO = "kernels-lab/training"
+# What the endpoint says when it cannot serve the repo: then the bundled copy may stand in.
+# Not a missing version or revision, a trust refusal or a digest mismatch: those are answers.
+_NOT_SERVED = (HubUnavailable, KernelNotFound, OfflineCacheMiss)
 
 
 def _spec(repo: str, version: int | None, revision: str | None, layer: str) -> str:
@@ -28,12 +43,58 @@ def _spec(repo: str, version: int | None, revision: str | None, layer: str) -> s
     return f"{repo}:{layer}" if version in (None, 1) else f"{repo}@v{version}:{layer}"
 
 
-def _load_repo(repo: str, version: int | None, revision: str | None) -> Any:
+def _require_triton(device: str) -> None:
+    """MissingDependency, before anything is bound, when the kernels would launch Triton (on
+    `device`) and it is not installed; the CPU's torch formulas need none."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise MissingDependency(
+            f"triton is not installed, and the training kernels need it on {device}",
+            hint="pip install 'kernels[training]' (or pip install triton)",
+        )
+
+
+def _named_locally(repo: str) -> bool:
+    """Whether LOCAL_KERNELS maps `repo` to a folder: the user's choice, never replaced."""
+    import os
+
+    if not os.environ.get("LOCAL_KERNELS"):
+        return False
+    from ..local_kernels import override_for
+
+    return override_for(repo) is not None
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The loaded kernel repo, and the verified tree of the bundled copy when that stands in."""
+
+    kernel: Any
+    bundled: Path | None = None
+
+    def spec(self, repo: str, version: int | None, revision: str | None, layer: str) -> str:
+        if self.bundled is not None:
+            return f"{self.bundled}:{layer}"  # a local spec: the tree the bundle installed
+        return _spec(repo, version, revision, layer)
+
+
+def _load_repo(repo: str, version: int | None, revision: str | None) -> _Source:
     from ..api import get_kernel
 
     if revision is not None:
-        return get_kernel(repo, revision=revision)
-    return get_kernel(repo, version=version or 1)
+        return _Source(get_kernel(repo, revision=revision))
+    try:
+        return _Source(get_kernel(repo, version=version or 1))
+    except _NOT_SERVED as exc:
+        if repo != TRAINING_REPO or version not in (None, 1) or _named_locally(repo):
+            raise
+        from ..bundled import load
+
+        found = load(exc)
+        if found is None:
+            raise
+        return _Source(*found)
 
 
 def repo_checks(
@@ -106,10 +167,14 @@ def plan_training_kernels(
     """Classify ``source`` (model, config, path or repo id) against the kernel repo's layers
     and mark its classes; the plan lists what is served and what is not (with the reason).
     ``model_class`` picks what a config is built as (see ``training_kernel_config``)."""
+    return _plan(source, _load_repo(repo, version, revision), model_class)
+
+
+def _plan(source: Any, loaded: _Source, model_class: Any) -> Plan:
     import torch
 
     model = _model_from(source, model_class)
-    available, experts_check = repo_checks(_load_repo(repo, version, revision))
+    available, experts_check = repo_checks(loaded.kernel)
     # the probes build small modules (nn.Linear draws its init from the global generator):
     # the caller's random stream (set_seed before the trainer samples) stays as it was
     with torch.random.fork_rng(devices=[]):
@@ -127,11 +192,21 @@ def training_kernel_mapping(
     model_class: Any = None,
 ) -> dict[str, str]:
     """``{layer name: "repo:Layer"}`` for every module kind of ``source`` the training kernels
-    serve (for ``apply_kernels`` or ``KernelConfig(kernel_mapping=...)``)."""
-    plan = plan_training_kernels(
-        source, repo=repo, version=version, revision=revision, model_class=model_class
-    )
-    return {layer: _spec(repo, version, revision, layer) for layer in sorted(plan.served())}
+    serve (for ``apply_kernels`` or ``KernelConfig(kernel_mapping=...)``); ``"/tree:Layer"``,
+    the verified tree in the cache, when the bundled copy stands in."""
+    return _mapping(source, repo, version, revision, model_class)[0]
+
+
+def _mapping(
+    source: Any, repo: str, version: int | None, revision: str | None, model_class: Any
+) -> tuple[dict[str, str], bool]:
+    """The mapping, and whether its values are local paths (the bundled copy)."""
+    loaded = _load_repo(repo, version, revision)
+    plan = _plan(source, loaded, model_class)
+    mapping = {
+        layer: loaded.spec(repo, version, revision, layer) for layer in sorted(plan.served())
+    }
+    return mapping, loaded.bundled is not None
 
 
 def training_kernel_config(
@@ -152,11 +227,15 @@ def training_kernel_config(
     image-text-to-text model where the type has no causal LM (Qwen2-VL, LLaVA, InternVL, ...).
     Types with both (Mllama, Llama 4, Qwen3.5) map their causal LM unless you pass
     ``model_class=AutoModelForImageTextToText``."""
+    import torch
+
     from .kernel_config import reusable_kernel_config
 
-    mapping = training_kernel_mapping(
-        source, repo=repo, version=version, revision=revision, model_class=model_class
-    )
+    if torch.cuda.is_available():
+        _require_triton("CUDA")
+    mapping, local = _mapping(source, repo, version, revision, model_class)
+    if local:  # transformers loads "/path:Layer" values with use_local_kernel
+        return reusable_kernel_config(mapping, use_local_kernel=True)
     if revision is None and version in (None, 1):
         return reusable_kernel_config(mapping)
     meta = {"revision": revision} if revision is not None else {"version": version}
@@ -177,5 +256,7 @@ def apply_training_kernels(
     Works on any device, under the Trainer, FSDP2 and torch.compile."""
     from ..layers import apply_kernels
 
+    if any(p.is_cuda for p in model.parameters()):
+        _require_triton("CUDA")
     mapping = training_kernel_mapping(model, repo=repo, version=version, revision=revision)
     return apply_kernels(model, mapping, mode=mode)

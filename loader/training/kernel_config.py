@@ -17,9 +17,9 @@ from typing import Any
 _CLASS: list[type] = []
 
 
-def reusable_kernel_config(mapping: dict[str, Any]) -> Any:
-    """``KernelConfig(kernel_mapping=mapping)`` that any number of ``from_pretrained`` calls
-    (and TRL's policy plus reference models) can share."""
+def reusable_kernel_config(mapping: dict[str, Any], *, use_local_kernel: bool = False) -> Any:
+    """``KernelConfig(kernel_mapping=mapping, use_local_kernel=...)`` that any number of
+    ``from_pretrained`` calls (and TRL's policy plus reference models) can share."""
     if not _CLASS:
         from transformers import KernelConfig
 
@@ -35,4 +35,4 @@ def reusable_kernel_config(mapping: dict[str, Any]) -> Any:
                 model.kernel_config = own
 
         _CLASS.append(TrainingKernelConfig)
-    return _CLASS[0](kernel_mapping=mapping)
+    return _CLASS[0](kernel_mapping=mapping, use_local_kernel=use_local_kernel)

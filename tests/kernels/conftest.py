@@ -45,6 +45,16 @@ def kt():
     return load_variant()
 
 
+@pytest.fixture
+def torch_path(kt, monkeypatch):
+    """The kernels' torch formulas instead of Triton's interpreter for this test: for tests of
+    what a layer does around its kernels (caches, masks, hooks, compile, FSDP, labels), whose
+    kernels other tests check interpreted. Only for `kt`'s kernels: that package was imported
+    with the interpreter on (this fixture asks for it first), so nothing is decorated anew; a
+    kernel loaded through the loader during the test would be, so such tests do not use this."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 @pytest.fixture(autouse=True)
 def _seed(request):
     """Fresh inputs per test: seeded from the test id, or from KERNEL_TEST_SEED when set."""

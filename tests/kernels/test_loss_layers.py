@@ -1,4 +1,9 @@
-"""Loss layers on tiny Qwen3 and Llama models (CPU, Triton interpreter) against the originals."""
+"""Loss layers on tiny Qwen3 and Llama models (CPU, Triton interpreter) against the originals.
+
+The fused loss's numbers are checked interpreted (the first tests, with num_items_in_batch and
+the drop-in losses); what the layer does around it (caches, eval, shifted labels, hooks,
+compile, FSDP) runs on the kernels' torch formulas (`torch_path`), the same layer code.
+"""
 
 from __future__ import annotations
 
@@ -131,7 +136,7 @@ def test_num_items_in_batch_and_return_logits(ll, small_chunks):
     assert torch.equal(out.logits, ref.logits)
 
 
-def test_training_builds_no_kv_cache_unless_asked(ll, small_chunks):
+def test_training_builds_no_kv_cache_unless_asked(ll, small_chunks, torch_path):
     model = tiny_model("qwen3", tied=True)
     assert model.config.use_cache  # transformers would build a cache from this in training
     ours = bound(model, ll)
@@ -147,7 +152,7 @@ def test_training_builds_no_kv_cache_unless_asked(ll, small_chunks):
     assert ours(input_ids=ids, labels=labels).past_key_values is not None
 
 
-def test_eval_and_no_labels_behave_like_the_original(ll):
+def test_eval_and_no_labels_behave_like_the_original(ll, torch_path):
     model = tiny_model("llama", tied=True).eval()
     ours = bound(model, ll)
     ids, labels = batch()
@@ -166,7 +171,7 @@ def test_eval_and_no_labels_behave_like_the_original(ll):
         assert skipped.logits is None
 
 
-def test_shift_labels_and_mismatch(ll):
+def test_shift_labels_and_mismatch(ll, torch_path):
     model = tiny_model("qwen3", tied=True)
     ours = bound(model, ll)
     ids, labels = batch()
@@ -238,7 +243,7 @@ def test_cross_entropy_loss_layer(ll):
     assert torch.equal(ours_w(logits, target), mod_w(logits, target))
 
 
-def test_under_torch_compile(ll, small_chunks):
+def test_under_torch_compile(ll, small_chunks, torch_path):
     """The fused loss is traced into a compiled model (its custom op) and matches the model's
     own loss and gradients."""
     model = tiny_model("qwen3", tied=True)
@@ -257,7 +262,9 @@ def test_under_torch_compile(ll, small_chunks):
 
 
 @pytest.mark.parametrize("hooked", [False, True], ids=["plain-head", "hooked-head"])
-def test_head_hooks_run_and_plain_heads_are_not_touched(ll, small_chunks, monkeypatch, hooked):
+def test_head_hooks_run_and_plain_heads_are_not_touched(
+    ll, small_chunks, monkeypatch, torch_path, hooked
+):
     """A head with forward hooks runs the fused loss as its forward (the hooks fire around it,
     the instance attribute is restored); a head without hooks is read directly, never patched."""
     model = tiny_model("qwen3", tied=True)
@@ -282,7 +289,7 @@ def test_head_hooks_run_and_plain_heads_are_not_touched(ll, small_chunks, monkey
     assert "forward" not in head.__dict__  # nothing left behind
 
 
-def test_fsdp2_sharded_lm_head(ll, small_chunks, monkeypatch):
+def test_fsdp2_sharded_lm_head(ll, small_chunks, monkeypatch, torch_path):
     """fully_shard on lm_head and the model (one-rank gloo group on the CPU): the layer runs the
     loss inside lm_head's FSDP hooks, so it sees the gathered weight and FSDP reduce-scatters the
     gradient into the sharded parameter."""

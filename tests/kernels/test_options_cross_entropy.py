@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from _training_refs import assert_close
 
+from tests.sweep import sweep_param
+
 IGNORE = -100
 
 
@@ -44,10 +46,31 @@ OPTION_CASES = [  # (weighted, label smoothing, z-loss scale, softcap)
 ]
 
 
-@pytest.mark.parametrize("path", ["triton", "torch"])
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("vocab", [300, 2500], ids=["one-chunk", "chunked"])
-@pytest.mark.parametrize("case", OPTION_CASES, ids=str)
+# Each option case with both vocab sizes on both paths, under one reduction of its own (a
+# weighted "mean" divides by the kept rows' weights, so the weighted cases start there); the
+# case with every option under all three. The rest of the grid runs under KERNELS_SWEEP=1.
+_OWN_REDUCTION = ["mean", "sum", "none", None, "mean"]  # None: all three
+
+
+def _option_params() -> list:
+    params = []
+    for case, own in zip(OPTION_CASES, _OWN_REDUCTION, strict=True):
+        for vocab, vocab_id in ((300, "one-chunk"), (2500, "chunked")):
+            for reduction in ("mean", "sum", "none"):
+                for path in ("triton", "torch"):
+                    values, pid = (
+                        (case, vocab, reduction, path),
+                        f"{case}-{vocab_id}-{reduction}-{path}",
+                    )
+                    if own is None or reduction == own:
+                        params.append(pytest.param(*values, id=pid))
+                    else:
+                        what = "the option case under its other reductions"
+                        params.append(sweep_param(*values, what=what, id=pid))
+    return params
+
+
+@pytest.mark.parametrize("case,vocab,reduction,path", _option_params())
 def test_weight_smoothing_zloss_match_float64(kt, monkeypatch, case, vocab, reduction, path):
     if path == "torch":
         monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -153,9 +153,11 @@ def test_every_op_launches_its_triton_kernels(kt, op):
 
 
 def test_gpu_tests_skip_in_a_run_that_switches_the_interpreter_on():
-    """A run that collects tests/gpu before tests/kernels (as the whole suite does) skips the GPU
-    tests with the interpreter's reason (tests/gpu/conftest.py), instead of running them through
-    Triton's CPU interpreter. Checked in a fresh process that starts with the interpreter off."""
+    """A run that collects tests/gpu before tests/kernels (as the whole suite does) leaves the GPU
+    tests out with the interpreter's reason, one line for the folder (tests/gpu/conftest.py),
+    instead of running them through Triton's CPU interpreter, and a test outside tests/kernels
+    runs the kernels' torch path (tests/conftest.py). Checked in a fresh process that starts with
+    the interpreter off."""
     import os
     import subprocess
 
@@ -164,10 +166,11 @@ def test_gpu_tests_skip_in_a_run_that_switches_the_interpreter_on():
     gpu = "tests/gpu/test_losses_gpu.py"
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", gpu,
-         "tests/kernels/test_package.py::test_only_relative_imports_of_the_variant"],
+         "tests/kernels/test_package.py::test_only_relative_imports_of_the_variant",
+         "tests/test_suite_hygiene.py::test_kernels_take_their_torch_path_outside_tests_kernels"],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    skipped = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert skipped and all("TRITON_INTERPRET is on" in line for line in skipped), out.stdout
-    assert "1 passed" in out.stdout
+    lines = [line for line in out.stdout.splitlines() if line.startswith("tests/gpu:")]
+    assert len(lines) == 1 and "tests skipped: TRITON_INTERPRET is on" in lines[0], out.stdout
+    assert "2 passed" in out.stdout and "skipped" in out.stdout

@@ -111,7 +111,7 @@ def _layer(kt, module):
     return module
 
 
-def test_differently_padded_batches_train_as_the_family_forward(kt):
+def test_differently_padded_batches_train_as_the_family_forward(kt, torch_path):
     """Three AdamW steps over batches of one shape whose masks differ (row 0 left-padded by 3,
     6, 0 tokens): each step's shared additive mask is made from that step's mask, so the loss
     and every gradient are the family's. The layer alone is bound, so nothing else differs."""
@@ -321,7 +321,7 @@ def _saved_masks(model, ids) -> set[int]:
     return masks
 
 
-def test_layers_share_one_additive_mask(kt):
+def test_layers_share_one_additive_mask(kt, torch_path):
     """sdpa turns the model's bool (sliding-window) mask into an additive one on each call and
     keeps it for the backward: one per layer in the family's forward, one for all layers here,
     with the same loss."""

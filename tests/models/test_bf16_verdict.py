@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.sweep import sweep_param
+
 from .bf16_verdict import FACTOR, FLOOR, Run, float64_copy, judge
 from .registry import BF16_AGREE, VOCAB, build, run_one, train_steps
 
@@ -124,7 +126,9 @@ def test_a_step_routed_otherwise_in_float64_is_left_out(gap, rerouted):
     assert len(run.losses) == len(run.grads) == 1 - rerouted
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+@pytest.mark.parametrize(
+    "model_type", ["olmo2", sweep_param("olmo3", what="OLMo 3: the same rotary path as OLMo 2")]
+)
 def test_olmo_rotary_keeps_the_bf16_dtype_on_the_torch_path(mirror, model_type, monkeypatch):
     """OLMo 2/3 keep cos/sin in fp32 and cast the rotated q/k back to bf16; the rotary layer's
     torch path (the CPU's) returned the fp32 products and the attention's next matmul refused

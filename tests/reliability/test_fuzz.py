@@ -353,7 +353,7 @@ def _load_target(hub, root) -> str:
     return outcome
 
 
-@fuzz(ci=200, soak=3000)
+@fuzz(ci=100, soak=3000)
 @given(ops=listings)
 def test_hostile_listings(hub, fuzz_cache, ops):
     root = fuzz_cache()
@@ -394,7 +394,7 @@ def _rewrite(data: bytes, how) -> bytes:
     return data + arg
 
 
-@fuzz(ci=150, soak=2000)
+@fuzz(ci=75, soak=2000)
 @given(target=st.sampled_from(["blob.bin", "__init__.py", "metadata.json"]), how=bodies)
 def test_hostile_file_bodies(hub, fuzz_cache, target, how):
     root = fuzz_cache()

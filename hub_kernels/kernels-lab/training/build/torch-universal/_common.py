@@ -12,8 +12,10 @@ import statistics
 import warnings
 
 import torch
-import triton
 from torch.nn.modules import module as _module
+
+from ._triton import AVAILABLE as HAVE_TRITON
+from ._triton import missing, triton
 
 # The loader imports this folder under a content-derived package name; deriving the torch.library
 # namespace from it keeps two builds loaded side by side from registering the same op twice.
@@ -46,8 +48,15 @@ def interpreting() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Run the Triton kernels for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1."""
-    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+    """Run the Triton kernels for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1;
+    without Triton installed those raise `_triton.missing()` (the torch formulas need none)."""
+    if t.is_cuda or (t.device.type == "cpu" and interpreting()):
+        if not HAVE_TRITON:
+            raise missing(
+                "CUDA tensors" if t.is_cuda else "Triton's interpreter (TRITON_INTERPRET=1)"
+            )
+        return True
+    return False
 
 
 @functools.cache

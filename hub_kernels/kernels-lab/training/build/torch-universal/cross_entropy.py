@@ -32,10 +32,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import PlanCache, cdiv, fast_launch, next_pow2, op_name, sm_count, use_triton
+from ._triton import tl, triton
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -29,10 +29,9 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import cdiv, fast_launch, next_pow2, op_name, use_triton
+from ._triton import tl, triton
 from .logprob import _MM_OUT_DTYPE, _mm_f32, _transform, choose, configs, tile_shape
 
 KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")

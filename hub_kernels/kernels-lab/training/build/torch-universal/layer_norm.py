@@ -11,8 +11,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from ._common import (
     PlanCache,
@@ -27,6 +25,7 @@ from ._common import (
     pick_config,
     rows_stride,
 )
+from ._triton import tl, triton
 from .rms_norm import _bwd_programs, bwd_candidates, column_sum_launch, fwd_config, use_triton_rows
 from .tensor_parallel import dtensor_layer_norm, is_dtensor
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import (
     cached_config,
@@ -45,6 +43,7 @@ from ._common import (
     pick_config,
     use_triton,
 )
+from ._triton import tl, triton
 from .vocab_parallel import is_vocab_sharded
 
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")

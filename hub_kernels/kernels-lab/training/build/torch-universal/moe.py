@@ -38,11 +38,10 @@ import re
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import nn
 
 from ._common import cdiv, fast_launch, op_name, use_triton
+from ._triton import tl, triton
 from .swiglu import (
     GELU_ERF,
     GELU_TANH,

@@ -25,10 +25,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import cdiv, fast_launch, next_pow2, op_name, use_triton
+from ._triton import tl, triton
 from .rope import apply_rotary_pos_emb
 
 LAYOUTS = ("chunked", "interleaved")

@@ -29,8 +29,6 @@ import functools
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import (
     PlanCache,
@@ -47,6 +45,7 @@ from ._common import (
     sm_count,
     use_triton,
 )
+from ._triton import tl, triton
 from .tensor_parallel import dtensor_rms_norm, is_dtensor
 
 # Rows wider than this do not fit one program's registers; they take the torch path.

@@ -19,8 +19,6 @@ import functools
 import weakref
 
 import torch
-import triton
-import triton.language as tl
 
 from . import tensor_parallel
 from ._common import (
@@ -36,6 +34,7 @@ from ._common import (
     pick_config,
     use_triton,
 )
+from ._triton import tl, triton
 
 
 @triton.jit

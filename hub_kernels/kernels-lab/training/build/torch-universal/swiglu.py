@@ -22,8 +22,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from . import tensor_parallel
 from ._common import (
@@ -38,6 +36,7 @@ from ._common import (
     rows_stride,
     use_triton,
 )
+from ._triton import tl, triton
 
 SILU, GELU_TANH, GELU_ERF, RELU_SQUARED = 0, 1, 2, 3
 QUICK_GELU = 4  # x * sigmoid(1.702 x) (CLIP's and Qwen2-VL's vision towers)

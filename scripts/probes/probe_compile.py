@@ -1,8 +1,8 @@
 """torch.compile over models bound to the training kernels: graph breaks, recompiles, values and
 held memory, per family, on the CPU (no GPU needed: the same graph is traced on every device).
 
-    python scripts/probe_compile.py --out docs/benchmarks/compile-cpu-DATE
-    python scripts/probe_compile.py --families llama --steps 5      # quicker
+    python scripts/probes/probe_compile.py --out docs/benchmarks/compile-cpu-DATE
+    python scripts/probes/probe_compile.py --families llama --steps 5      # quicker
 
 For each family a tiny random model (2 layers, sdpa or the family's attention) is bound with
 ``kernels.apply_training_kernels`` (this tree's kernels through LOCAL_KERNELS) and:
@@ -36,7 +36,7 @@ import platform
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
 os.environ["LOCAL_KERNELS"] = f"kernels-lab/training={VARIANT}"
 os.environ.pop("TRITON_INTERPRET", None)
@@ -276,7 +276,7 @@ def main() -> int:
     if args.out:
         (args.out / "README.md").write_text(
             "# torch.compile with the training kernels bound: graph breaks and recompiles (CPU)\n\n"
-            "Made by `python scripts/probe_compile.py --out <this folder>` (see its docstring). "
+            "Made by `python scripts/probes/probe_compile.py --out <this folder>` (see its docstring). "
             "Per family: `<family>.log` holds the `torch._dynamo.explain` output and every "
             "recompile reason Dynamo logged.\n\n" + text
         )

@@ -1,8 +1,8 @@
 """Which bf16 GeGLU MLP is closer to float64: transformers' plain one or ours (`GeGLUMLP`)?
 
-    python scripts/probe_geglu_precision.py                 # CUDA: the issue's two shapes
-    python scripts/probe_geglu_precision.py --json out.json
-    python scripts/probe_geglu_precision.py --dry-run       # CPU, one small shape, torch paths
+    python scripts/probes/probe_geglu_precision.py                 # CUDA: the issue's two shapes
+    python scripts/probes/probe_geglu_precision.py --json out.json
+    python scripts/probes/probe_geglu_precision.py --dry-run       # CPU, one small shape, torch paths
 
 A Llama-style MLP (`LlamaMLP`, hidden_act "gelu_pytorch_tanh") with unscaled N(0, 1) weights in
 bf16, run three ways on the same weights, input and output gradient: plain (transformers' own
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench_harness
 
 # (batch, seq, hidden, intermediate): the issue's shapes; the dry run's small one.
 SHAPES = [(2, 2048, 2048, 4096), (9, 41, 341, 4231)]
