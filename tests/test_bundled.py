@@ -108,6 +108,31 @@ def test_the_config_for_transformers_loads_the_bundled_tree(monkeypatch):
     assert all(Path(v.rsplit(":", 1)[0]).is_dir() for v in config.kernel_mapping.values())
 
 
+def test_the_bundled_config_survives_transformers_rewriting_it(monkeypatch):
+    """from_pretrained rewrites the mapping into (value, metadata) tuples before it builds the
+    nested form; with use_local_kernel, transformers 5.24 then splits a tuple as a string. The
+    config hands it the paths again, and each layer gets a LocalLayerRepository of the tree."""
+    import transformers.utils.kernel_config as tkc
+    from transformers.integrations.hub_kernels import register_kernel_replacements_and_fusions
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tiny_llama()
+    config = kernels.training_kernel_config(model)
+    paths = dict(config.kernel_mapping)
+    register_kernel_replacements_and_fusions(type(model), model.config, config)  # as a load does
+    assert all(isinstance(v, tuple) for v in config.kernel_mapping.values())
+    # The one stand-in: the device a CUDA model would report (the local branch takes no "cpu").
+    monkeypatch.setattr(tkc, "infer_device", lambda model: "cuda")
+    model.train()
+    config.create_compatible_mapping(model)
+    nested = model.kernel_config.kernel_mapping
+    assert sorted(nested) == sorted(paths)
+    for name, value in paths.items():
+        (repo,) = nested[name]["cuda"].values()
+        assert type(repo).__name__ == "LocalLayerRepository", repo
+        assert f"{repo.repo_path}:{repo.layer_name}" == value
+
+
 def test_a_mirror_copy_wins_over_the_bundled_one(hub, notices_seen):
     hub.build(ROOT / "hub_kernels")
     mapping = kernels.training_kernel_mapping(tiny_llama())

@@ -30,9 +30,18 @@ def reusable_kernel_config(mapping: dict[str, Any], *, use_local_kernel: bool = 
             def create_compatible_mapping(self, model, compile=False):  # noqa: ANN001, ANN201
                 own = copy.copy(self)
                 own.kernel_mapping = dict(self.kernel_mapping)
+                if self.use_local_kernel:
+                    own.kernel_mapping = local_form(own.kernel_mapping)
                 KernelConfig.create_compatible_mapping(own, model, compile)
                 # set_use_kernels set model.kernel_config to this shared object just before
                 model.kernel_config = own
 
         _CLASS.append(TrainingKernelConfig)
     return _CLASS[0](kernel_mapping=mapping, use_local_kernel=use_local_kernel)
+
+
+def local_form(mapping: dict[str, Any]) -> dict[str, Any]:
+    """``{layer: "/path:Layer"}`` again: transformers' load rewrites every value into a
+    ``("/path:Layer", metadata)`` tuple before it builds the nested form, and its local branch
+    (``use_local_kernel``) then splits the tuple as if it were the string (transformers 5.24)."""
+    return {name: v[0] if isinstance(v, tuple) else v for name, v in mapping.items()}

@@ -21,19 +21,22 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-COMMON = (
-    Path(__file__).resolve().parents[2]
-    / "hub_kernels/kernels-lab/training/build/torch-universal/_common.py"
+VARIANT = (
+    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
 )
 
 
 @pytest.fixture(scope="module")
 def common():
-    spec = importlib.util.spec_from_file_location("_fast_launch_gpu_common", COMMON)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The variant's `_common` module, imported as part of its package (it imports siblings)."""
+    name = "_fast_launch_gpu_variant"
+    spec = importlib.util.spec_from_file_location(
+        name, VARIANT / "__init__.py", submodule_search_locations=[str(VARIANT)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    return importlib.import_module(f"{name}._common")
 
 
 @pytest.fixture(scope="module")

@@ -129,8 +129,26 @@ def test_bf16_trl_step_with_our_kernels(mirror, checkpoints, workload):
     assert served[(attr, "kernels")] > 0 and served[(attr, "trl")] == 0, served
     entries = [e for e in kernels.last_report(trainer.model) if e.layer_name == "fused_lm_head"]
     assert [e.status for e in entries] == ["routed"], str(kernels.last_report(trainer.model))
+    # The frozen model TRL loads beside the policy (reference, teacher) runs the same kernels:
+    # the policy's log-probs are compared with its own, so their rounding must match.
+    policy = _bound(trainer.model)
+    for name in ("ref_model", "teacher_model"):
+        frozen = getattr(trainer, name, None)
+        if frozen is not None:
+            missing = policy - {"fused_lm_head"} - _bound(frozen)
+            assert not missing, (name, missing, str(kernels.last_report(frozen)))
+    seen = f"steps (plain, ours): {[(p, o) for p, o in zip(plain, ours, strict=True)]}"
     for step, ((loss_p, grad_p), (loss_o, grad_o)) in enumerate(zip(plain, ours, strict=True)):
         for what, p, o in (("loss", loss_p, loss_o), ("gradient", grad_p, grad_o)):
             assert o <= max(FACTOR * p, FLOOR), (
-                f"{workload} step {step + 1} {what}: ours {o:.3e} from fp32, plain bf16 {p:.3e}"
+                f"{workload} step {step + 1} {what}: ours {o:.3e} from fp32, plain bf16 {p:.3e}; "
+                + seen
             )
+
+
+def _bound(model) -> set[str]:
+    """The layer names the last kernelize of `model` bound or routed."""
+    import kernels
+
+    report = kernels.last_report(model) or []
+    return {e.layer_name for e in report if e.status in ("bound", "routed")}

@@ -409,6 +409,7 @@ def make_images(model, n_images: int, gen: torch.Generator, side: int = 0) -> Im
     if image_token_id(model.config) is None or not fns:
         return Images(pixel_layouts(model, n_images, gen, side=side)[0], 0)
     width = model.config.get_text_config().hidden_size
+    device = next(model.parameters()).device
     was = model.training
     model.eval()
     errors = []
@@ -416,9 +417,11 @@ def make_images(model, n_images: int, gen: torch.Generator, side: int = 0) -> Im
         for fn in fns:
             params = inspect.signature(fn).parameters
             for inputs in pixel_layouts(model, n_images, gen, fn, side):
+                # the probe runs where the model is; the batch keeps the CPU copy
+                probe = {k: _to(v, device) for k, v in inputs.items() if k in params}
                 try:
                     with torch.no_grad():
-                        out = fn(**{k: v for k, v in inputs.items() if k in params})
+                        out = fn(**probe)
                     rows = _feature_rows(out, width)
                 except Exception as exc:  # noqa: BLE001 - not this layout: the next one
                     errors.append(exc)
@@ -433,6 +436,11 @@ def make_images(model, n_images: int, gen: torch.Generator, side: int = 0) -> Im
     raise ValueError(
         "no pixel layout fits: " + " | ".join(f"{type(e).__name__}: {_line(e)}" for e in errors)
     )
+
+
+def _to(value, device: torch.device):
+    """A tensor on `device`; anything else (a size list, None) as it is."""
+    return value.to(device) if torch.is_tensor(value) else value
 
 
 def _line(exc: BaseException) -> str:
