@@ -5,7 +5,6 @@ Found and fixed here:
 * a variant folder that leads into another user's folder (a link in the user's build/) had its
   metadata.json read, and its native libraries parsed, before the ownership check: a FIFO
   named metadata.json there hung the load forever instead of UnsafePermissions.
-
 * a link in the kernel whose target did not exist yet, in a sticky shared folder (/tmp): the
   check judged a missing target by its folder, and a sticky folder passed; whoever created the
   target between the check and the import ran their code. Now a link whose target is missing is

@@ -5,7 +5,6 @@ Found and fixed here:
   id, which reads like a per-repo rule; `require;lab-org`; an empty key) were accepted and
   ignored, so `kernels-community/activation=require` left the policy `off` without a word.
   Now InvalidSpec.
-
 * the Sigstore trust root (KERNELS_SIGSTORE_TRUSTED_ROOT) was read whoever could write it. It
   decides whose signatures count, like the config file decides whom to trust, but the config
   file was refused when others could write it and the trust root was not: another user who
