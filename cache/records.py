@@ -163,9 +163,34 @@ class RecordStore:
         _write_scoped(self.trust_dir / f"{safe_key(record.publisher)}.json", self.endpoint, data)
 
 
+# How many trees one variant record remembers (`trees`): a commit served differently by a few
+# endpoints keeps each version; past this the oldest is forgotten (a lock naming it downloads).
+MAX_RECORDED_TREES = 8
+
+
+def _recorded_trees(data: object) -> dict[str, list[str]]:
+    """{tree digest: endpoints that listed it} of a variant record: its `trees`, and its current
+    `tree` (a record written before `trees` existed has only that)."""
+    if not isinstance(data, dict):
+        return {}
+    out: dict[str, list[str]] = {}
+    trees = data.get("trees")
+    if isinstance(trees, dict):
+        for digest, endpoints in trees.items():
+            if isinstance(digest, str) and isinstance(endpoints, list):
+                out[digest] = [e for e in endpoints if isinstance(e, str) and e]
+    current, endpoints = data.get("tree"), data.get("endpoints")
+    if isinstance(current, str) and isinstance(endpoints, list):
+        known = out.setdefault(current, [])
+        known.extend(e for e in endpoints if isinstance(e, str) and e and e not in known)
+    return out
+
+
 class RepoIndex:
     """index/<repo>/<commit>/{listing[-<endpoint key>].json, variants/<variant>.json} and
-    manifests/<digest>.json. A variant record lists the endpoints whose listing it matched."""
+    manifests/<digest>.json. A variant record names the current tree and the endpoints whose
+    listing it matched, and keeps every tree recorded for the variant (`trees`: digest ->
+    endpoints), for locks, whose digests choose among them whatever the endpoint."""
 
     def __init__(self, index: Path, manifests: Path, endpoint: str | None = None):
         self.index = index
@@ -205,7 +230,8 @@ class RepoIndex:
 
     def put_variant(self, repo: str, commit: str, variant: str, manifest: Manifest) -> None:
         """Record the variant's tree; another endpoint's record of the same tree is kept (each
-        endpoint vouched for the same bytes), a different tree replaces it."""
+        endpoint vouched for the same bytes), a different tree replaces it as the current one
+        and joins the trees recorded (`trees`), newest last."""
         self.put_manifest(manifest)
         path = self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json"
         old = read_json(path)
@@ -214,9 +240,25 @@ class RepoIndex:
             endpoints = [e for e in old.get("endpoints", []) if isinstance(e, str)]
         if self.endpoint is not None and self.endpoint not in endpoints:
             endpoints.append(self.endpoint)
+        trees = _recorded_trees(old)
+        listed = trees.pop(manifest.digest, [])
+        trees[manifest.digest] = listed + [e for e in endpoints if e not in listed]
+        trees = dict(list(trees.items())[-MAX_RECORDED_TREES:])
         atomic_write_json(
-            path, {"tree": manifest.digest, "installed_at": time.time(), "endpoints": endpoints}
+            path,
+            {
+                "tree": manifest.digest,
+                "installed_at": time.time(),
+                "endpoints": endpoints,
+                "trees": trees,
+            },
         )
+
+    def tree_endpoints(self, repo: str, commit: str, variant: str, tree: str) -> list[str]:
+        """The endpoints whose listing of (repo, commit, variant) gave the tree `tree`, whatever
+        this store's endpoint (empty: no endpoint recorded it as that variant of that commit)."""
+        path = self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json"
+        return _recorded_trees(read_json(path)).get(tree, [])
 
     def drop_variant(self, repo: str, commit: str, variant: str) -> None:
         path = self._commit_dir(repo, commit) / "variants" / f"{safe_key(variant)}.json"

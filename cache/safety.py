@@ -21,11 +21,12 @@ class Exposure:
     """`path` can be written by a user other than this one and root; `why` says how.
     (A plain class: this module is imported on every load, and a dataclass costs more.)"""
 
-    __slots__ = ("path", "why")
+    __slots__ = ("path", "why", "remedy")
 
-    def __init__(self, path: Path, why: str):
+    def __init__(self, path: Path, why: str, remedy: str | None = None):
         self.path = path
         self.why = why
+        self.remedy = remedy  # a one-line hint, where a chmod or chown is not the fix
 
     def __repr__(self) -> str:
         return f"Exposure({str(self.path)!r}, {self.why!r})"
@@ -34,6 +35,8 @@ class Exposure:
         return isinstance(other, Exposure) and (self.path, self.why) == (other.path, other.why)
 
     def fix(self) -> str:
+        if self.why.startswith("a link to"):
+            return f"rm {self.path}"
         if self.why.startswith("owned"):
             return f"chown -R {os.geteuid()} {self.path} (or use a folder of your own)"
         return f"chmod -R go-w {self.path}"
@@ -76,7 +79,10 @@ def check_path(
     /tmp: others cannot rename or delete what this user put there); `path` itself only with
     `sticky_here`, for a folder whose entries are all checked in turn (a cache root: a tmpfs
     mount is 1777), never for one where anybody's new file would be believed. A symlink on the
-    way is judged by its own folders and by its target's.
+    way is judged by its own folders and by its target's; a link whose target is missing by the
+    nearest existing folder of its target, and that one may not be writable by others even when
+    sticky: nothing of the user's is there yet, so whoever creates the target first decides
+    what the link leads to.
 
     Plain strings and os calls: this runs on every load that reaches the disk."""
     given = os.path.abspath(path)
@@ -84,7 +90,35 @@ def check_path(
     if found is None and linked:  # a symlink on the way: its target's folders decide too
         real = os.path.realpath(given)
         found, _ = _check_chain(_with_parents(real) if parents else [real], sticky_here)
+        if found is None and not os.path.lexists(real):
+            found = _dangling(given, real)
     return found
+
+
+def _dangling(given: str, real: str) -> Exposure | None:
+    """The exposure of `given`, a path through a link whose target `real` is missing, when
+    another user could create that target (its nearest existing folder is writable by others,
+    sticky or not); None otherwise."""
+    if os.name == "nt":
+        return None
+    folder = os.path.dirname(real)
+    while True:
+        try:
+            st = os.lstat(folder)
+            break
+        except OSError:
+            if os.path.dirname(folder) == folder:
+                return None
+            folder = os.path.dirname(folder)
+    exposure = exposure_of(folder, st)
+    if exposure is None:
+        return None  # only this user and root can create it there
+    return Exposure(
+        Path(given),
+        f"a link to {real}, which does not exist, in {folder}, {exposure.why}: whoever "
+        "creates it first decides what the link leads to",
+        f"create {real} yourself before loading, or remove the link (`rm {given}`)",
+    )
 
 
 def _check_chain(chain: list[str], sticky_here: bool) -> tuple[Exposure | None, bool]:

@@ -149,7 +149,9 @@ class DownloadTimeout(HubUnavailable):
 
 
 class InsufficientSpace(CacheError):
-    """The files to download are larger than the free space of the cache's disk."""
+    """The files to download (or, for `kernels mirror build`, to copy) are larger than the free
+    space of the disk they go to, or that disk filled up while they were being written. The
+    message names the disk; the hint of a mirror build says which folder to move."""
 
     hint = "free disk space, or set KERNELS_CACHE to a folder on a larger disk"
 

@@ -19,7 +19,7 @@ def unsafe(exposure: Exposure, what: str) -> UnsafePermissions:
     return UnsafePermissions(
         f"refusing {what}: {exposure.path} is {exposure.why}, so another user could change "
         "which code runs",
-        hint=f"run `{exposure.fix()}`, or use a path only you can write",
+        hint=exposure.remedy or f"run `{exposure.fix()}`, or use a path only you can write",
     )
 
 

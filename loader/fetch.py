@@ -12,16 +12,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.cache import Cache, DigestMismatch, FileEntry, Manifest, ManifestError, check_relpath
 
+from .diskspace import require_free_space
 from .errors import (
     CacheError,
-    InsufficientSpace,
     IntegrityError,
     InvalidSpec,
     KernelsError,
@@ -251,17 +250,7 @@ def check_free_space(
     listing) do not fit in the free space of the cache's disk. Unknown free space passes: the
     writes themselves still fail typed (CacheError) on a full disk."""
     needed = sum(f.size for f in files if _known_sha256(cache, f) is None)
-    if needed == 0:
-        return
-    try:
-        free = shutil.disk_usage(cache.root).free
-    except OSError:
-        return
-    if needed > free:
-        raise InsufficientSpace(
-            f"{repo_id}@{commit[:12]}/{variant} needs {needed} bytes; the disk of {cache.root} "
-            f"has {free} free"
-        )
+    require_free_space(cache.root, needed, f"{repo_id}@{commit[:12]}/{variant}")
 
 
 def install_variant(

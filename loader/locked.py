@@ -5,7 +5,10 @@ differs from the lock. With the variant cached it makes no request at all.
 
 A lock with file digests proves the bytes by itself: a variant whose every file is in the cache
 with the sha256 the lock pins is served whichever endpoint downloaded it (`cached_by_lock`), with
-no resolution, listing or variant record of any endpoint. Trust is not in the lock: it is still
+no resolution or listing of the current endpoint; but only when the cache's index records that
+very tree as that variant of the locked repo and commit, at some endpoint (digests say which
+bytes, not whose: another repo's files are never served under the locked name). When the tree
+was recorded only at other endpoints, a notice names them. Trust is not in the lock: it is still
 decided at the current endpoint, or by the user (`_trust_cached`). A commit-only lock (the
 reference's formats) proves nothing about bytes and gets none of this.
 
@@ -172,16 +175,28 @@ def _lock_manifest(cache: Cache, files: dict[str, str]) -> Manifest | None:
 
 
 def _cached_variant(cache: Cache, entry: LockEntry, variant: str, *, repair: bool):
-    """(manifest, tree) of `variant` when its tree is cached and every file matches the sha256
+    """(manifest, tree) of `variant` when its tree is cached, the index records that tree as
+    `variant` of the locked repo and commit at some endpoint, and every file matches the sha256
     the lock pins (stamps, a re-hash where one moved); else None (a damaged tree is evicted when
-    `repair`). No record of any endpoint is read: the lock's digests are the proof."""
+    `repair`). The lock's digests say which bytes; the record says they are this repo's at this
+    commit, so a lock cannot lend a repo's name to another repo's files. One record read."""
     assert entry.variants is not None
     manifest = _lock_manifest(cache, entry.variants[variant])
     if manifest is None or not cache.trees.exists(manifest.digest):
         return None
+    sources = cache.index.tree_endpoints(entry.repo_id, entry.commit, variant, manifest.digest)
+    if not sources:
+        return None
     what = f"{entry.repo_id}@{entry.commit[:12]}/{variant}"
     if not _verify_installed(cache, manifest, what, repair=repair):
         return None
+    if cache.endpoint not in sources:
+        notice_once(
+            f"lock-elsewhere:{what}:{manifest.digest}",
+            f"kernels: {what}: the files kernels.lock pins were listed by "
+            f"{', '.join(sources)}, not by {cache.endpoint} (the current endpoint); they match "
+            "the lock's sha256s and are loaded from the cache",
+        )
     return manifest, cache.trees.path(manifest.digest)
 
 
@@ -236,9 +251,21 @@ def _trust_cached(cache: Cache, entry: LockEntry, trust_remote_code: TrustArg, *
     ensure_trusted(cache, entry.repo_id, trust_remote_code, offline=False)
 
 
+def _lock_sources(cache: Cache, entry: LockEntry) -> list[str]:
+    """The endpoints that listed the trees the lock pins (for messages)."""
+    found: set[str] = set()
+    for variant, files in (entry.variants or {}).items():
+        manifest = _lock_manifest(cache, files)
+        if manifest is not None:
+            found.update(
+                cache.index.tree_endpoints(entry.repo_id, entry.commit, variant, manifest.digest)
+            )
+    return sorted(found)
+
+
 def _untrusted_here(cache: Cache, entry: LockEntry, exc: UntrustedPublisher) -> UntrustedPublisher:
     org = entry.repo_id.split("/", 1)[0]
-    sources = cache.index.variant_endpoints(entry.repo_id, entry.commit)
+    sources = _lock_sources(cache, entry)
     came = f" (downloaded from {', '.join(sources)})" if sources else ""
     trusted_at = [e for e in cache.records.trusted_at(org) if e != cache.endpoint]
     where = f"set HF_ENDPOINT={trusted_at[0]}, which trusts it, or " if trusted_at else ""

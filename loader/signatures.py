@@ -57,7 +57,10 @@ def _policies(publisher: str) -> tuple[list, list[str]]:
 
 
 def _root_identity() -> tuple[Path | None, str]:
-    """The trust root in use and a name for it that changes when the file does."""
+    """The trust root in use and a name for it that changes when the file does, or when its
+    owner or mode does. A verdict is only recorded after a check that found the root safe
+    (verify_variant refuses one others can write), so a warm load needs this one stat; the
+    owner and mode in the name also set aside verdicts recorded before roots were checked."""
     root = settings.sigstore_trusted_root()
     if root is None:
         return None, "public-good"
@@ -65,7 +68,7 @@ def _root_identity() -> tuple[Path | None, str]:
         st = os.stat(root)
     except OSError:
         return root, f"{root}:missing"
-    return root, f"{root}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return root, f"{root}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_uid}:{st.st_mode:o}"
 
 
 def _check(tree: Path, policies: list, root: Path | None) -> tuple[str, str, bool]:

@@ -463,7 +463,9 @@ def verify_variant(
 
     The trust root is `trusted_root`, else the file named by KERNELS_SIGSTORE_TRUSTED_ROOT,
     else the public-good root that sigstore has on disk; it is never refreshed over the network
-    here, so the check runs offline. Fails closed: any problem is a non-Success result.
+    here, so the check runs offline. Fails closed: any problem is a non-Success result, except
+    a trust root file that another user could write (it, or a folder above it), which raises
+    UnsafePermissions as the config file does.
     """
     try:
         root = _Folder.open_root(Path(variant_path))
@@ -502,6 +504,12 @@ def _verify_open(root: _Folder, policies, trusted_root) -> Result:
     from . import settings
 
     where = trusted_root or settings.sigstore_trusted_root()
+    if where:
+        # The root decides whose signatures count: one that another user can rewrite lets
+        # their own Sigstore sign "for" anyone, so it is held to the config file's rule.
+        from .guard import refuse_exposed
+
+        refuse_exposed(Path(where), "the Sigstore trust root (it decides whose signatures count)")
     try:
         if where:
             verifier = Verifier(trusted_root=TrustedRoot.from_file(str(where)))

@@ -15,12 +15,15 @@ SRC may be shared with users who can add entries to it, so:
 Folders are opened one level at a time with O_NOFOLLOW relative to their parent's descriptor, and
 each file is checked on the descriptor its bytes are read from, so swapping an entry for a link
 between the check and the read changes nothing. The bytes go to a private staging folder, so the
-whole of SRC is read, and every refusal raised, before DEST is touched.
+whole of SRC is read, and every refusal raised, before DEST is touched. Each file's size is
+checked against the staging disk's free space before a byte of it is copied, and no more than
+that size is copied (a sparse file costs its owner nothing, and can grow after the check).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 from collections.abc import Iterator
@@ -29,7 +32,8 @@ from pathlib import Path
 
 from kernels.cache.safety import Exposure, check_path, exposure_of
 
-from ..errors import MirrorSourceError
+from ..diskspace import is_disk_full, require_free_space
+from ..errors import InsufficientSpace, KernelsError, MirrorSourceError
 from .mirror import valid_name
 
 SKIP_NAMES = frozenset({".git", "__pycache__"})
@@ -48,6 +52,10 @@ _LINK_HINT = (
 )
 _SPECIAL_HINT = "remove it: a mirror holds regular files and folders only"
 _NAME_HINT = "rename it: names in a kernel folder must be printable UTF-8 (no newline or escape)"
+STAGING_HINT = (
+    "free space on that disk, or set TMPDIR to a folder on a larger one (the build copies SRC "
+    "there first)"
+)
 _PRIVATE_HINT = (
     "if the file is meant to be published, `chmod o+r` it; otherwise remove it, or build from a "
     "folder only you can write"
@@ -56,10 +64,12 @@ _PRIVATE_HINT = (
 
 @dataclass
 class SourceRepo:
-    """One kernel folder of SRC, read: `files` are (repo path, git mode, staged copy), sorted."""
+    """One kernel folder of SRC, read: `files` are (repo path, git mode, staged copy), sorted;
+    `blobs` maps the git blob sha of each distinct content to its size."""
 
     repo_id: str
     files: list[tuple[str, str, Path]] = field(default_factory=list)
+    blobs: dict[str, int] = field(default_factory=dict)
 
     def staged(self, repo_path: str) -> Path | None:
         for path, _mode, copy in self.files:
@@ -211,7 +221,9 @@ class _Reader:
                 finally:
                     os.close(sub)
             elif stat.S_ISREG(st.st_mode):
-                repo.files.append(self._copy(fd, name, where + name, st, exposure, prefix))
+                mode, copy, blob, size = self._copy(fd, name, where + name, st, exposure)
+                repo.files.append((f"{prefix}{name}", mode, copy))
+                repo.blobs[blob] = size
             else:
                 raise _special(where + name)
 
@@ -222,8 +234,8 @@ class _Reader:
         where: str,
         listed: os.stat_result,
         exposure: Exposure | None,
-        prefix: str,
-    ) -> tuple[str, str, Path]:
+    ) -> tuple[str, Path, str, int]:
+        """(git mode, staged copy, git blob sha, size) of the checked file `name` of `fd`."""
         try:
             src = os.open(name, _FILE_FLAGS, dir_fd=fd)
         except OSError as exc:
@@ -235,15 +247,39 @@ class _Reader:
             if not stat.S_ISREG(st.st_mode):
                 raise _special(where)
             _check_private(where, st, exposure)
+            # Free space now, which the copies staged so far already took: a running total.
+            require_free_space(self.staging.parent, st.st_size, shown(where), hint=STAGING_HINT)
             self.count += 1
             copy = self.staging / str(self.count)
-            with open(copy, "wb") as out:
-                while chunk := os.read(src, _CHUNK):
-                    out.write(chunk)
+            blob = self._stage(src, copy, st.st_size, where)
         finally:
             os.close(src)
         mode = "100755" if st.st_mode & 0o111 else "100644"
-        return f"{prefix}{name}", mode, copy
+        return mode, copy, blob, st.st_size
+
+    def _stage(self, src: int, copy: Path, size: int, where: str) -> str:
+        """Copy the `size` bytes of `src` to `copy`; return their git blob sha. A file that
+        grew past `size` since it was checked changed; a disk that fills up anyway (from
+        elsewhere) is InsufficientSpace."""
+        blob = hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False)
+        left = size
+        try:
+            with open(copy, "wb") as out:
+                while left and (chunk := os.read(src, min(_CHUNK, left))):
+                    out.write(chunk)
+                    blob.update(chunk)
+                    left -= len(chunk)
+        except OSError as exc:
+            if isinstance(exc, KernelsError) or not is_disk_full(exc):
+                raise
+            raise InsufficientSpace(
+                f"{shown(where)}: the disk of {self.staging.parent} filled up while it was "
+                f"being copied ({exc.strerror})",
+                hint=STAGING_HINT,
+            ) from None
+        if left or os.read(src, 1):  # shorter or longer than when it was checked
+            raise _changed(where)
+        return blob.hexdigest()
 
 
 def _check_private(where: str, st: os.stat_result, exposure: Exposure | None) -> None:

@@ -5,11 +5,11 @@ Found and fixed here:
 * a variant folder that leads into another user's folder (a link in the user's build/) had its
   metadata.json read, and its native libraries parsed, before the ownership check: a FIFO
   named metadata.json there hung the load forever instead of UnsafePermissions.
-
-Found, not fixed (xfail, strict):
-* a link in the kernel whose target does not exist yet, in a sticky shared folder (/tmp): the
-  check judges a missing target by its folder, and a sticky folder passes; whoever creates the
-  target between the check and the import runs their code.
+* a link in the kernel whose target did not exist yet, in a sticky shared folder (/tmp): the
+  check judged a missing target by its folder, and a sticky folder passed; whoever created the
+  target between the check and the import ran their code. Now a link whose target is missing is
+  refused when its nearest existing folder is writable by others, sticky or not
+  (UnsafePermissions: create the target yourself first, or remove the link).
 
 Variants that fail as they should: `..` after a link in the entry, a group-writable file 12
 folders down, a hard link to another user's file, another user's `__pycache__` bytecode.
@@ -82,12 +82,6 @@ def test_a_variant_leading_into_another_users_folder_is_refused_before_it_is_rea
 
 
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="redteam: check_path judges a missing link target by its nearest folder, and a "
-    "sticky one (/tmp) passes, though anyone may create the target there; whoever creates it "
-    "between the check and the import runs their code",
-)
 def test_a_dangling_link_into_a_sticky_folder_is_not_a_way_in(shared_dir, tmp_path, monkeypatch):
     """The user's kernel imports ops.py, a link to /tmp-like shared/ops.py that does not exist
     yet (a build step writes it). `nobody` creates it right after the check: the attacker
@@ -115,6 +109,30 @@ def test_a_dangling_link_into_a_sticky_folder_is_not_a_way_in(shared_dir, tmp_pa
     except (UnsafePermissions, ImportError, kernels.errors.KernelsError):
         pass
     assert not marker.exists(), "another user's code ran from a link the check let through"
+
+
+def test_a_dangling_link_is_judged_by_who_could_create_its_target(tmp_path):
+    """A link to a missing file: into a folder only the user can write it loads (nobody else
+    can create the target); into a sticky folder others can write it is refused, naming the
+    link, with a one-line hint; once the user created the target there themselves, it loads."""
+    marker = tmp_path / "ran"
+    kernel = _write_kernel(tmp_path / "kernel", marker)
+    variant = kernel / "build" / "torch-universal"
+    (tmp_path / "mine").mkdir(mode=0o755)
+    (variant / "later.py").symlink_to(tmp_path / "mine" / "later.py")  # built later
+    assert kernels.get_local_kernel(kernel).VALUE == 5
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (variant / "ops.py").symlink_to(shared / "ops.py")
+    with pytest.raises(UnsafePermissions) as err:
+        kernels.get_local_kernel(kernel)
+    assert str(variant / "ops.py") in err.value.message
+    assert f"{shared / 'ops.py'}, which does not exist" in err.value.message
+    assert len(err.value.hint.splitlines()) == 1 and f"create {shared / 'ops.py'}" in err.value.hint
+    (shared / "ops.py").write_text("OPS = 1\n")  # the user's own file now: nobody can swap it
+    (shared / "ops.py").chmod(0o644)
+    assert kernels.get_local_kernel(kernel).VALUE == 5
 
 
 @needs_root

@@ -1,15 +1,15 @@
 """Red team, issue 28 items 2 and 5 and issue 31 item 3 re-run: locks and install_kernel's
 snapshot path, variants the fixes did not name.
 
-Found, not fixed (xfail, strict):
-* a lock with file digests is served from the cache whatever repo those bytes were downloaded
-  as: a lock entry that names a trusted publisher's repo and pins the digests of an untrusted
-  repo's files (cached by `kernels verify-signature`, which downloads without trusting) runs the
-  untrusted repo's code under the trusted publisher's name, with zero requests. Before issue
-  31 the locked commit's files were fetched from the endpoint and compared, so such a lock
-  failed with IntegrityError.
-
 Found and fixed here:
+* a lock with file digests was served from the cache whatever repo those bytes were downloaded
+  as: a lock entry that names a trusted publisher's repo and pins the digests of an untrusted
+  repo's files (cached by `kernels verify-signature`, which downloads without trusting) ran the
+  untrusted repo's code under the trusted publisher's name, with zero requests. Now the cache
+  serves a lock's tree only when its index records that tree as that variant of the locked repo
+  and commit (at any endpoint); otherwise the locked commit is fetched and compared as before
+  issue 31 (IntegrityError here). A tree recorded only at other endpoints is served with a
+  notice naming them (a lock written against a mirror is no longer silent at the Hub).
 * install_kernel wrote through a link planted in a snapshot folder others could write before it
   checked that folder: with `snapshots/<endpoint key>/` world-writable, `nobody` points
   `<org>--<name>` at a folder only root may write, and the user's install created folders and a
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 
 import kernels
@@ -48,12 +49,6 @@ def _digests(files: dict[str, str]) -> dict[str, str]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="redteam: a digest lock is served from the cache whatever repo the bytes came from: "
-    "a lock naming a trusted repo with an untrusted repo's digests runs the untrusted code "
-    "under the trusted name (cached_by_lock checks digests, not which repo/commit they are)",
-)
 def test_a_lock_cannot_lend_a_trusted_name_to_another_repos_files(hub, tmp_path, capsys):
     hub.trust("good-org")  # evil-org is not trusted
     good_ran, evil_ran = tmp_path / "good-ran", tmp_path / "evil-ran"
@@ -74,6 +69,28 @@ def test_a_lock_cannot_lend_a_trusted_name_to_another_repos_files(hub, tmp_path,
         module = None
     assert not evil_ran.exists(), f"evil-org's code ran as {GOOD} ({hub.requests} requests)"
     assert module is None or module.VALUE == 1
+
+
+def test_a_lock_served_from_another_endpoints_download_says_so(hub, tmp_path, monkeypatch, caplog):
+    """A lock synced at one endpoint, loaded offline under another: it loads (the feature), and
+    one notice names the endpoint that listed the files; at that endpoint itself, no notice."""
+    hub.trust("good-org")
+    commit = hub.writer(GOOD).commit(marker_files("kernel", tmp_path / "ran"), branch="v1")
+    files = marker_files("kernel", tmp_path / "ran")
+    entry = {"repo_id": GOOD, "requested": {"version": 1}, "commit": commit,
+             "variants": {"torch-universal": _digests(files)}}  # fmt: skip
+    lock = tmp_path / "kernels.lock"
+    lock.write_text(json.dumps({"schema": 1, "kernels": [entry]}))
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        assert kernels.get_locked_kernel(GOOD, lockfile=lock).VALUE == 1
+    assert "listed by" not in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nobody answers there
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("KERNELS_TRUSTED_PUBLISHERS", "good-org")
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        assert kernels.load_kernel(GOOD, lockfile=lock).VALUE == 1
+    assert f"listed by {hub.url}, not by http://127.0.0.1:9" in caplog.text, caplog.text
 
 
 @needs_root

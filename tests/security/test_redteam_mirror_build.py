@@ -6,10 +6,11 @@ Found and fixed here:
   MirrorSourceError past the depth the Hub client accepts (32 path parts);
 * a metadata.json over the client's 1 MiB cap was read whole and built into a mirror whose
   every client refuses the kernel; now refused at the build (InvalidMetadata), unread.
-
-Found, not fixed (xfail, strict):
-* a file larger than the staging disk (a sparse file costs its owner nothing) is copied until
-  the disk is full, then the build dies with an untyped `OSError: [Errno 28]`.
+* a file larger than the staging disk (a sparse file costs its owner nothing) was copied until
+  the disk was full, then the build died with an untyped `OSError: [Errno 28]`. Now each file's
+  size is checked against the staging disk's free space before it is copied, and what DEST
+  lacks against DEST's disk before DEST is touched (InsufficientSpace); a disk that fills from
+  elsewhere during the build is InsufficientSpace too, with DEST left as it was.
 
 Variants that fail as they should: a folder or a file swapped for a link (or a hard link to a
 private file) between the check and the open, and names with bidi, zero-width and isolate
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,8 +29,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kernels.errors import InvalidMetadata, MirrorSourceError
+from kernels.errors import InsufficientSpace, InvalidMetadata, MirrorSourceError
+from kernels.serve import build as mirror_build
 from kernels.serve import build_mirror
+from kernels.serve import source as mirror_source
+from kernels.serve.writer import rev
 
 from tests.security.conftest import needs_root
 
@@ -145,16 +150,40 @@ def small_tmp() -> Iterator[Path]:
         where.rmdir()
 
 
+def _fill(disk: Path, leave: int) -> None:
+    """Fill `disk` until `leave` bytes are free (blocks really taken, not a sparse file)."""
+    take = shutil.disk_usage(disk).free - leave
+    assert take > 0
+    fd = os.open(disk / f"filler-{take}", os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, take)
+    finally:
+        os.close(fd)
+
+
+def _fill_after_check(monkeypatch, module, disk: Path, leave: int) -> None:
+    """Once `module`'s real space check has passed for more than `leave` bytes, `disk` fills
+    from elsewhere to `leave` bytes free: the writes that follow meet a full disk (ENOSPC)."""
+    real = module.require_free_space
+
+    def check(folder, needed, *args, **kwargs):
+        real(folder, needed, *args, **kwargs)
+        if needed > leave:
+            _fill(disk, leave)
+
+    monkeypatch.setattr(module, "require_free_space", check)
+
+
+def _leftovers(disk: Path) -> list[str]:
+    return sorted(p.name for p in disk.iterdir() if not p.name.startswith("filler-"))
+
+
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="redteam: mirror build copies a file larger than the staging disk until it is full, "
-    "then dies with an untyped OSError ENOSPC (no size check against free space, as downloads "
-    "have with InsufficientSpace)",
-)
-def test_a_file_larger_than_the_staging_disk_is_a_typed_error(tmp_path, small_tmp):
+def test_a_file_larger_than_the_staging_disk_is_a_typed_error(tmp_path, small_tmp, monkeypatch):
     """Another user's 1 GiB sparse file in a shared SRC (it costs them nothing) against a 16 MiB
-    staging disk: expected a typed error naming the file, before the disk is filled."""
+    staging disk. Before: copied until the disk was full, then an untyped `OSError: [Errno 28]`
+    ('this looks like a bug'). Now InsufficientSpace naming the file, before a byte is copied;
+    DEST is not created and the staging folder is gone."""
     src, dest = tmp_path / "src", tmp_path / "dest"
     big = _kernel(src) / "weights.bin"
     with open(big, "wb") as f:
@@ -162,7 +191,106 @@ def test_a_file_larger_than_the_staging_disk_is_a_typed_error(tmp_path, small_tm
     big.chmod(0o644)
     out = _cli(str(src), str(dest), env={**os.environ, "TMPDIR": str(small_tmp)})
     assert out.returncode == 1 and not dest.exists()
-    assert "looks like a bug" not in out.stderr, out.stderr  # before: OSError [Errno 28]
+    assert "looks like a bug" not in out.stderr and "Errno" not in out.stderr, out.stderr
+    error, hint = out.stderr.splitlines()
+    assert error.startswith("error: ") and f"weights.bin needs {1 << 30} bytes" in error, error
+    assert hint.startswith("hint: ") and "TMPDIR" in hint
+    assert _leftovers(small_tmp) == []  # the staging folder was removed
+    monkeypatch.setattr(tempfile, "tempdir", str(small_tmp))
+    with pytest.raises(InsufficientSpace) as err:
+        build_mirror(src, dest)
+    assert "weights.bin" in err.value.message and "needs" in err.value.message
+    assert shutil.disk_usage(small_tmp).used < 1 << 20  # refused before copying, not when full
+    assert not dest.exists() and _leftovers(small_tmp) == []
+
+
+@needs_root
+def test_a_staging_disk_that_fills_during_the_copy_is_a_typed_error(
+    tmp_path, small_tmp, monkeypatch
+):
+    """The file fits when it is checked; then the disk fills from elsewhere while it is copied:
+    InsufficientSpace (ENOSPC) naming the file, DEST not created, the staging folder gone."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    (_kernel(src) / "weights.bin").write_bytes(os.urandom(4 << 20))
+    monkeypatch.setattr(tempfile, "tempdir", str(small_tmp))
+    _fill_after_check(monkeypatch, mirror_source, small_tmp, 1 << 20)
+    with pytest.raises(InsufficientSpace) as err:
+        build_mirror(src, dest)
+    assert "filled up" in err.value.message and "weights.bin" in err.value.message
+    assert "TMPDIR" in err.value.hint and len(err.value.hint.splitlines()) == 1
+    assert not dest.exists() and _leftovers(small_tmp) == []
+
+
+def test_a_file_that_grows_after_its_size_check_is_refused(tmp_path, monkeypatch):
+    """The owner extends their file (sparse: free for them) right after the build checked its
+    size against the free space: the copy stops at the checked size and refuses the file."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    grows = _kernel(src) / "weights.bin"
+    grows.write_bytes(b"w" * 1000)
+    real = mirror_source.require_free_space
+
+    def check(folder, needed, what, **kwargs):
+        real(folder, needed, what, **kwargs)
+        if what.endswith("weights.bin"):
+            os.truncate(grows, 64 << 20)
+
+    monkeypatch.setattr(mirror_source, "require_free_space", check)
+    with pytest.raises(MirrorSourceError) as err:
+        build_mirror(src, dest)
+    assert "weights.bin changed" in err.value.message
+    assert not dest.exists()
+
+
+@needs_root
+def test_files_larger_than_dests_disk_are_refused_before_dest_is_touched(tmp_path, small_tmp):
+    """Staging fits, DEST (a 16 MiB disk) does not: InsufficientSpace naming DEST, nothing there.
+    What counts is what DEST lacks: an unchanged rebuild on a nearly full DEST still works, and
+    a change that does not fit leaves the mirror's branches where they were."""
+    src, dest = tmp_path / "src", small_tmp / "mirror"
+    variant = _kernel(src)
+    (variant / "weights.bin").write_bytes(os.urandom(20 << 20))
+    with pytest.raises(InsufficientSpace) as err:
+        build_mirror(src, dest)
+    assert f"the mirror build into {dest} needs" in err.value.message
+    assert "DEST" in err.value.hint
+    assert _leftovers(small_tmp) == []
+    (variant / "weights.bin").write_bytes(os.urandom(6 << 20))
+    [first] = build_mirror(src, dest)
+    _fill(small_tmp, 2 << 20)  # less free than the mirror holds
+    [again] = build_mirror(src, dest)
+    assert (again.commit, again.changed) == (first.commit, False)
+    (variant / "more.bin").write_bytes(os.urandom(4 << 20))
+    with pytest.raises(InsufficientSpace):
+        build_mirror(src, dest)
+    assert rev(first.path, "refs/heads/main") == first.commit
+
+
+@needs_root
+@pytest.mark.parametrize("dest_exists", [False, True])
+def test_a_dest_disk_that_fills_during_the_build_leaves_the_mirror_as_it_was(
+    tmp_path, small_tmp, monkeypatch, dest_exists
+):
+    """DEST's disk fills from elsewhere after the space check, while the second of two repos is
+    written: InsufficientSpace; a new DEST is removed, an existing one keeps every branch where
+    it was (the first repo's too: no branch moves before every repo's objects are written)."""
+    src, dest = tmp_path / "src", small_tmp / "mirror"
+    first = _kernel(src)
+    second = src / "evil" / "silu" / "build" / "torch-universal"
+    shutil.copytree(first, second)
+    before = {}
+    if dest_exists:
+        before = {b.repo_id: b.commit for b in build_mirror(src, dest)}
+        (first / "__init__.py").write_text("VALUE = 2\n")
+    (second / "weights.bin").write_bytes(os.urandom(4 << 20))
+    _fill_after_check(monkeypatch, mirror_build, small_tmp, 2 << 20)
+    with pytest.raises(InsufficientSpace) as err:
+        build_mirror(src, dest)
+    assert "filled up" in err.value.message and str(dest) in err.value.message
+    if not dest_exists:
+        assert _leftovers(small_tmp) == []
+    else:
+        for repo_id, commit in before.items():
+            assert rev(dest / repo_id, "refs/heads/main") == commit, repo_id
 
 
 # -- races: the check and the open are one descriptor apart --------------------------------------

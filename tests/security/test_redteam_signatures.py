@@ -5,12 +5,11 @@ Found and fixed here:
   id, which reads like a per-repo rule; `require;lab-org`; an empty key) were accepted and
   ignored, so `kernels-community/activation=require` left the policy `off` without a word.
   Now InvalidSpec.
-
-Found, not fixed (xfail, strict):
-* the Sigstore trust root (KERNELS_SIGSTORE_TRUSTED_ROOT) is read whoever can write it. It
+* the Sigstore trust root (KERNELS_SIGSTORE_TRUSTED_ROOT) was read whoever could write it. It
   decides whose signatures count, like the config file decides whom to trust, but the config
-  file is refused when others can write it and the trust root is not: another user who can
-  rewrite it makes `require` accept a kernel signed by their own Sigstore.
+  file was refused when others could write it and the trust root was not: another user who
+  could rewrite it made `require` accept a kernel signed by their own Sigstore. Now the root
+  file and every folder above it are held to the config file's rule (UnsafePermissions).
 
 Variants that fail as they should: odd values, a config file reached through a link into a
 folder others can write, and `verify_variant` on bytecode under other names, an extra shared
@@ -40,12 +39,6 @@ def _serve(hub, files: dict, repo: str = REPO) -> str:
 
 
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="redteam: the Sigstore trust root is used whoever can write it (the config file, "
-    "which decides whom to trust, is refused in that case); another user's root makes "
-    "`require` accept their own signatures",
-)
 def test_a_trust_root_another_user_can_write_is_not_used(hub, shared_dir, tmp_path, monkeypatch):
     """The classic /tmp race: `nobody` creates /tmp/trusted_root.json (0666) before the user
     saves the real root there (the file keeps its owner), then swaps in the root of a Sigstore
@@ -75,6 +68,37 @@ def test_a_trust_root_another_user_can_write_is_not_used(hub, shared_dir, tmp_pa
     with pytest.raises((UnsafePermissions, SignatureError)):
         get_kernel(REPO, version=1)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("exposed", ["file", "folder"])
+def test_a_trust_root_others_can_write_is_refused_with_the_fix(hub, tmp_path, monkeypatch, exposed):
+    """The user's own root, group-writable (an old umask) or in a folder anyone can write (not
+    sticky): UnsafePermissions naming it, with the chmod that fixes it; nothing recorded, so
+    after the chmod the kernel loads. The same for `kernels verify-signature`."""
+    pytest.importorskip("sigstore")
+    from kernels.cli.main import main as kernels_main
+
+    from tests.sigstore_fixture import TestSigstore, sign_variant
+
+    sigstore = TestSigstore()
+    folder = tmp_path / "roots"
+    folder.mkdir()
+    root = sigstore.trusted_root(folder / "trusted_root.json")
+    bad = root if exposed == "file" else folder
+    bad.chmod(0o664 if exposed == "file" else 0o777)
+    monkeypatch.setenv("KERNELS_SIGSTORE_TRUSTED_ROOT", str(root))
+    monkeypatch.setenv("KERNELS_SIGNATURE_POLICY", "require")
+    marker = tmp_path / "ran"
+    _serve(hub, sign_variant(sigstore, marker_files("act", marker)))
+    with pytest.raises(UnsafePermissions) as err:
+        get_kernel(REPO, version=1)
+    assert str(bad) in err.value.message and "trust root" in err.value.message
+    assert f"chmod -R go-w {bad}" in err.value.hint
+    assert not marker.exists()
+    assert kernels_main(["verify-signature", REPO, "1"]) != 0
+    bad.chmod(0o644 if exposed == "file" else 0o755)
+    assert get_kernel(REPO, version=1).VALUE == 1
+    assert marker.exists()
 
 
 @pytest.mark.parametrize("value", ["lab-org/act=require", "require;lab-org=off", "=require"])
