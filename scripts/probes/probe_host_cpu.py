@@ -1,12 +1,19 @@
 """Host (Python) time per forward + backward of the training kernels' eager GPU paths, on the CPU.
 
     python scripts/probes/probe_host_cpu.py [--baseline REV] [--calls 200] [--rounds 9]
-                                            [--profile] [--ops rms_norm,rope,...]
+                                            [--profile] [--ops rms_norm,rope,...] [--dispatch]
 
 What runs is the code a GPU training step runs, called the way a kernelized model calls it
 (``layers.RMSNorm.forward`` bound on a LlamaRMSNorm, the fused add + RMSNorm, LayerNorm, the
-rotary layer, silu_mul / gelu_mul with ``in_place=True`` as the MLP layers pass, cross_entropy),
-forward and ``torch.autograd.grad``, with CPU tensors standing in for CUDA ones:
+rotary layer, silu_mul / gelu_mul with ``in_place=True`` as the MLP layers pass, cross_entropy,
+``layers.SwiGLUMLP.forward`` bound on a Qwen3MLP (the gated MLP), fused_linear_cross_entropy,
+the ForCausalLM loss head (``loss_layers.fused_causal_lm_loss``) and the log-prob head),
+forward and ``torch.autograd.grad``, with CPU tensors standing in for CUDA ones. The losses'
+and the gated MLP's torch.library custom ops (what torch.compile traces) are timed too, called
+eagerly with their autograd registration ("... via custom op" rows, this tree only): what the
+eager path would pay if it went through them. ``--dispatch`` adds rows for what a compiled graph
+pays per custom-op call: the op called as Inductor's code calls it next to its Python body. The matmuls of the MLP and the heads run for
+real, at a few rows and columns, so that the CPU's arithmetic stays small beside the Python:
 
 - every `fast_launch` kernel takes its fast path (``enabled``), and the kernel it "compiles" is a
   stub whose launcher does nothing: the Python up to and around the compiled kernel's launcher is
@@ -166,6 +173,20 @@ class Inputs:
         self.ga = torch.randn(b * t, inter)
         self.logits = leaf(b * t, vocab)
         self.target = torch.randint(0, vocab, (b * t,))
+        # The MLP and the heads multiply for real: a few rows and columns keep the CPU's
+        # arithmetic small beside the host time measured (the launches are what is stubbed).
+        from transformers import Qwen3Config
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+        rows, h_small, v_small = 8, 16, 64
+        self.mlp = Qwen3MLP(Qwen3Config(hidden_size=h_small, intermediate_size=2 * h_small))
+        self.h = leaf(1, rows, h_small)
+        self.gh = torch.randn(1, rows, h_small)
+        self.lm_head = nn.Linear(h_small, v_small, bias=False)
+        self.head_model = nn.Module()
+        self.head_model.lm_head = self.lm_head
+        self.labels = torch.randint(0, v_small, (1, rows))
+        self.rows_target = torch.randint(0, v_small, (rows,))
 
 
 class _Floor(torch.autograd.Function):
@@ -228,6 +249,113 @@ def cases(kt: types.ModuleType, i: Inputs) -> dict:
         "cross_entropy": _grad(
             lambda: (kt.cross_entropy(i.logits, i.target),), (i.logits,), (torch.ones(()),)
         ),
+        **loss_and_mlp_cases(kt, i),
+    }
+
+
+def loss_and_mlp_cases(kt: types.ModuleType, i: Inputs) -> dict:
+    """The gated MLP layer and the loss heads (those `kt` has), as a kernelized model calls
+    them; then this tree's custom ops, called eagerly."""
+    one = torch.ones(())
+    mlp, head = i.mlp, i.lm_head
+    mlp_leaves = (i.h, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    swiglu = types.MethodType(kt.layers.SwiGLUMLP.forward, mlp)
+    h2 = i.h.reshape(-1, i.h.shape[-1])
+    loss_layers = sys.modules[kt.__name__ + ".loss_layers"]
+    out = {
+        "SwiGLUMLP (gated MLP)": _grad(lambda: (swiglu(i.h),), mlp_leaves, (i.gh,)),
+        "fused_linear_cross_entropy": _grad(
+            lambda: (kt.fused_linear_cross_entropy(i.h, head.weight, i.labels),),
+            (i.h, head.weight),
+            (one,),
+        ),
+        "ForCausalLM loss head": _grad(
+            lambda: (loss_layers.fused_causal_lm_loss(i.head_model, i.h, i.labels, None, {}),),
+            (i.h, head.weight),
+            (one,),
+        ),
+    }
+    if hasattr(kt, "fused_linear_logprob"):  # post-training's head: not at every revision
+        out["log-prob head"] = _grad(
+            lambda: (kt.fused_linear_logprob(i.h, head.weight, i.labels).log_probs,),
+            (i.h, head.weight),
+            (torch.ones(i.labels.shape),),
+        )
+    ops = {name: sys.modules.get(f"{kt.__name__}.{name}") for name in ("gated_mlp", "logprob")}
+    if not hasattr(ops["gated_mlp"], "gated_mlp_fwd"):  # a revision before the custom ops
+        return out
+    w = tuple(m.weight for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    ce = sys.modules[kt.__name__ + ".cross_entropy"]
+    flce = sys.modules[kt.__name__ + ".fused_linear_cross_entropy"]
+    ce_args = (None, None, -100, 0.0, 0.0, None, "mean", False, False, False, True)
+    flce_args = (None, None, -100, 0.0, 0.0, None, "mean", 0, False, False, False, False, False)
+    out |= {
+        "gated MLP via custom op": _grad(
+            lambda: (ops["gated_mlp"].gated_mlp_fwd(i.h, *w, 0)[0],), mlp_leaves, (i.gh,)
+        ),
+        "cross_entropy via custom op": _grad(
+            lambda: (ce.ce_fwd(i.logits, i.target, *ce_args)[0],), (i.logits,), (one,)
+        ),
+        "fused_linear_cross_entropy via custom op": _grad(
+            lambda: (
+                flce.flce_fwd(h2, head.weight, None, i.rows_target, *flce_args, True, True, False)[
+                    0
+                ],
+            ),
+            (i.h, head.weight),
+            (one,),
+        ),
+        "log-prob head via custom op": _grad(
+            lambda: (
+                ops["logprob"].logprob_fwd(
+                    h2, head.weight, None, i.rows_target, 1.0, None, 1.0, 0, -100, 0, 0
+                )[0],
+            ),
+            (i.h, head.weight),
+            (torch.ones(i.rows_target.shape),),
+        ),
+    }
+    return out | dispatch_cases(kt, i)
+
+
+def dispatch_cases(kt: types.ModuleType, i: Inputs) -> dict:
+    """What a compiled graph pays per custom-op call on top of the op's Python body: the op
+    called as Inductor's wrapper calls it (``torch.ops.NS.op.default``, no autograd: the graph
+    holds the forward and the backward ops apart) next to the body called directly. Forward
+    and backward ops of the gated MLP (two calls per layer and step) and the fused linear CE's
+    forward (one per step)."""
+    common = sys.modules[kt.__name__ + "._common"]
+    ns = getattr(torch.ops, common.NAMESPACE)
+    gm = sys.modules[kt.__name__ + ".gated_mlp"]
+    flce = sys.modules[kt.__name__ + ".fused_linear_cross_entropy"]
+    mlp, head = i.mlp, i.lm_head
+    x = i.h.detach()
+    w = tuple(m.weight.detach() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    dy = i.gh
+    with torch.no_grad():
+        _, gate_up = gm._forward(x, *w, 0)
+    h2, wt = x.reshape(-1, x.shape[-1]), head.weight.detach()
+    flce_args = (None, None, -100, 0.0, 0.0, None, "mean", 0, False, False, False, False, False)
+    opts = flce._op_options(-100, 0.0, 0.0, None, "mean", 0, None, False, False, False, False,
+                            False)  # fmt: skip
+    nograd = torch.no_grad()
+    return {
+        "gated MLP fwd, op call (compiled graph)": nograd(
+            lambda: ns.gated_mlp_fwd.default(x, *w, 0)
+        ),
+        "gated MLP fwd, Python body": nograd(lambda: gm._forward(x, *w, 0)),
+        "gated MLP bwd, op call (compiled graph)": nograd(
+            lambda: ns.gated_mlp_bwd.default(dy, x, gate_up, *w, 0, True, True, True)
+        ),
+        "gated MLP bwd, Python body": nograd(
+            lambda: gm._backward(dy, x, gate_up, *w, 0, (True, True, True), overwrite=False)
+        ),
+        "fused linear CE fwd, op call (compiled graph)": nograd(
+            lambda: ns.flce_fwd.default(h2, wt, None, i.rows_target, *flce_args, True, True, False)
+        ),
+        "fused linear CE fwd, Python body": nograd(
+            lambda: flce._forward(h2, wt, None, i.rows_target, opts, None, (True, True, False))
+        ),
     }
 
 
@@ -253,7 +381,10 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=200, help="calls per round")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--profile", action="store_true", help="cProfile top-15 per op (this tree)")
-    p.add_argument("--ops", help="comma-separated op names (default: all)")
+    p.add_argument("--ops", help="comma-separated op names (default: all but the dispatch rows)")
+    p.add_argument(
+        "--dispatch", action="store_true", help="add the custom-op dispatch rows (this tree)"
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)  # tiny tensors: no intra-op threads to wake
@@ -274,17 +405,21 @@ def main() -> int:
     stubbed["this tree"] = stub_fast_launches(this)
     impls["this tree"] = cases(this, inputs)
     names = list(impls["this tree"])
+    dispatch = [n for n in names if n.endswith(("Python body", "(compiled graph)"))]
+    if not args.dispatch:
+        names = [n for n in names if n not in dispatch]
     if args.ops:
-        wanted = set(args.ops.split(","))
+        wanted = set(args.ops.split(",")) | (set(dispatch) if args.dispatch else set())
         names = [n for n in names if n in wanted or n.startswith(("autograd", "no-op"))]
 
     times: dict[tuple[str, str], list[float]] = {}
     for name in names:
-        for fns in impls.values():
+        present = {impl: fns for impl, fns in impls.items() if name in fns}
+        for fns in present.values():
             for _ in range(3):  # warm: first-call work (compiles, plans, checks) is not counted
                 fns[name]()
         for _ in range(args.rounds):
-            for impl, fns in impls.items():
+            for impl, fns in present.items():
                 times.setdefault((impl, name), []).append(per_call_us(fns[name], args.calls))
 
     print(BANNER)
@@ -304,12 +439,15 @@ def main() -> int:
         cells = [name]
         med = {}
         for impl in cols:
-            t = times[(impl, name)]
+            t = times.get((impl, name))
+            if t is None:  # not at that revision
+                cells.append("—")
+                continue
             med[impl] = statistics.median(t)
             cells.append(f"{med[impl]:.1f} ({min(t):.1f})")
         if rev:
-            b, h = med["baseline"], med["this tree"]
-            cells.append(f"{(h - b) / b * 100:+.0f} %")
+            b, h = med.get("baseline"), med["this tree"]
+            cells.append("—" if b is None else f"{(h - b) / b * 100:+.0f} %")
         print("| " + " | ".join(cells) + " |")
 
     if args.profile:
