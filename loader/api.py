@@ -574,7 +574,7 @@ def _refuse_exposed_snapshot(path: Path, what: str) -> None:
     folder on its way (a missing one is judged by the nearest folder that exists)."""
     from kernels.cache.safety import check_path
 
-    from .guard import unsafe
+    from .exposure import unsafe
 
     exposure = check_path(path)
     if exposure is not None:

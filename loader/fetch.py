@@ -18,7 +18,6 @@ from pathlib import Path
 
 from kernels.cache import Cache, DigestMismatch, FileEntry, Manifest, ManifestError, check_relpath
 
-from .diskspace import require_free_space
 from .errors import (
     CacheError,
     IntegrityError,
@@ -250,6 +249,8 @@ def check_free_space(
     listing) do not fit in the free space of the cache's disk. Unknown free space passes: the
     writes themselves still fail typed (CacheError) on a full disk."""
     needed = sum(f.size for f in files if _known_sha256(cache, f) is None)
+    from .diskspace import require_free_space  # a download only: not on a warm load
+
     require_free_space(cache.root, needed, f"{repo_id}@{commit[:12]}/{variant}")
 
 

@@ -17,10 +17,9 @@ from kernels.cache import Cache
 
 from . import settings
 from .errors import CacheError
-from .exposure import refuse_exposed, unsafe
 from .notices import notice_once
 
-__all__ = ["check_cache_root", "lock_wait_notice", "open_cache", "refuse_exposed", "unsafe"]
+__all__ = ["check_cache_root", "lock_wait_notice", "open_cache"]
 _CACHE_HINT = "set KERNELS_CACHE to a folder, or a path where one can be made"
 
 
@@ -62,5 +61,7 @@ def open_cache(*, check: bool = True, endpoint: str | None = None) -> Cache:
     if check:
         exposure = cache.exposure()
         if exposure is not None:
+            from .exposure import unsafe  # the error path only
+
             raise unsafe(exposure, f"the kernels cache {cache.root}")
     return cache

@@ -56,7 +56,7 @@ def checked_folder(given: Path | str, what: str = "the local kernel") -> Path:
     its target's folders too); else UnsafePermissions naming the first such path and the fix."""
     from kernels.cache.safety import check_path
 
-    from .guard import unsafe
+    from .exposure import unsafe
 
     raw = os.path.expanduser(os.fspath(given))
     if not os.path.isabs(raw):
@@ -74,7 +74,7 @@ def check_imported(folder: Path, what: str = "the local kernel") -> None:
     it and every file and folder below it can be written by this user and root only."""
     from kernels.cache.safety import check_path
 
-    from .guard import unsafe
+    from .exposure import unsafe
 
     exposure = check_path(folder) or _check_below(str(folder))
     if exposure is not None:

@@ -190,7 +190,7 @@ def parse_lock(text: str, path: Path | None = None) -> Lockfile:
 
 def read_lock(path: Path) -> Lockfile:
     """Parse the lock at `path`; UnsafePermissions when other users could have written it."""
-    from .guard import refuse_exposed
+    from .exposure import refuse_exposed
 
     refuse_exposed(path, "the lock file")
     try:
@@ -270,7 +270,7 @@ def find_lockfile(explicit: Path | str | None = None, start: Path | None = None)
             # Others can write here: a kernels.lock in it may be theirs (say so, use none), and
             # one above it is no longer this project's.
             if candidate.is_file():
-                from .guard import unsafe
+                from .exposure import unsafe
 
                 raise unsafe(exposure, f"the lock file {candidate}")
             break

@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from .safe_text import safe_lines
-
 logger = logging.getLogger("kernels")
 _seen: set[str] = set()
 _lock = threading.Lock()
@@ -23,6 +21,8 @@ def notice_once(key: str, message: str) -> bool:
             return False
         _seen.add(key)
     # Messages quote servers and metadata (names, reasons): escaped, line by line.
+    from .safe_text import safe_lines  # only when a notice is shown
+
     logger.warning("\n".join(safe_lines(message)))
     return True
 

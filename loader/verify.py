@@ -507,7 +507,7 @@ def _verify_open(root: _Folder, policies, trusted_root) -> Result:
     if where:
         # The root decides whose signatures count: one that another user can rewrite lets
         # their own Sigstore sign "for" anyone, so it is held to the config file's rule.
-        from .guard import refuse_exposed
+        from .exposure import refuse_exposed
 
         refuse_exposed(Path(where), "the Sigstore trust root (it decides whose signatures count)")
     try:
