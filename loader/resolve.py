@@ -151,9 +151,6 @@ def _refs(repo_id: str) -> dict[str, dict[str, str]]:
         return {"branches": {}, "tags": {}}
 
 
-_SHORT_SHA = re.compile(r"[0-9a-f]{4,39}\Z")
-
-
 def _missing_revision_hint(cache: Cache, repo_id: str, ref: str) -> str | None:
     """What `ref` was probably meant to be: `N` for the version branch vN, an abbreviated
     commit for the full one (from the repo's refs and this machine's records). None: the
@@ -162,7 +159,7 @@ def _missing_revision_hint(cache: Cache, repo_id: str, ref: str) -> str | None:
         if f"v{ref}" in _refs(repo_id)["branches"]:
             return f"did you mean version={ref}? '{ref}' is read as a branch or tag name"
         return None
-    if not _SHORT_SHA.match(ref):
+    if not re.fullmatch(r"[0-9a-f]{4,39}", ref):  # compiled here: an error path only
         return None
     refs = _refs(repo_id)
     known = {*refs["branches"].values(), *refs["tags"].values()}
