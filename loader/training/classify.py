@@ -204,6 +204,9 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
     fused = _is_linear(children.get("gate_up_proj")) and _is_linear(children.get("down_proj"))
     separate = all(_is_linear(children.get(n)) for n in ("gate_proj", "up_proj", "down_proj"))
     if not (fused or separate):
+        orders = probes.gated_orders(module)
+        if orders and (v := named_gated_verdict(module, orders, available)) is not None:
+            return v
         plain = _plain_projections(module)
         if plain is not None and (v := plain_mlp_verdict(module, plain, available)) is not None:
             return v
@@ -238,8 +241,44 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
     return Verdict("mlp", None, missing) if missing else Verdict("mlp", layer)
 
 
-# The class attributes ReLUSquaredMLP and GELUMLP read: the names of the (in, out)
-# projections; GELUMLP also which GELU ("gelu", "gelu_tanh", "quick_gelu").
+def named_gated_verdict(
+    module: nn.Module, orders: list[tuple[str, str, str]], available: Callable[[str], str | None]
+) -> Verdict | None:
+    """SwiGLUMLP / GeGLUMLP for a gated MLP whose three projections have other names (LFM2's
+    w1/w3/w2, T5's wi_0/wi_1/wo) or whose activation is called inline (``F.silu``): which child
+    is the gate, the up and the down projection, and the activation, are told by running it.
+    None when no order and activation fit (the caller goes on to the non-gated rules)."""
+    if not probes.one_tensor_forward(type(module)):
+        return None
+    found = next(((o, k) for o in orders if (k := probes.probe_gated_mlp(module, o))), None)
+    if found is None:
+        return None
+    order, kind = found
+    dropout = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropout:
+        # the fused layer has no dropout: binding it would train another model
+        return Verdict("mlp", None, f"applies dropout ({dropout[0]}) the fused layer does not")
+    layer = "SwiGLUMLP" if kind == "silu" else "GeGLUMLP"
+    missing = available(layer)
+    if missing:
+        return Verdict("mlp", None, missing)
+    return Verdict(
+        "mlp",
+        layer,
+        condition=_no_active_dropout,
+        attributes=((MLP_PROJECTIONS, order), (MLP_ACTIVATION, kind)),
+    )
+
+
+def _no_active_dropout(module: nn.Module) -> bool:
+    """An instance whose config turned dropout on keeps its forward (the class may differ
+    per instance: T5's dropout_rate)."""
+    return not any(isinstance(m, nn.Dropout) and m.p > 0 for m in module._modules.values())
+
+
+# The class attributes ReLUSquaredMLP, GELUMLP and the gated layers (for other child names)
+# read: the names of the (in, out) projections, or (gate, up, down); which activation
+# ("gelu", "gelu_tanh", "quick_gelu"; "silu" for a gated one).
 MLP_PROJECTIONS = "kernels_mlp_projections"
 MLP_ACTIVATION = "kernels_mlp_activation"
 # MultimodalRotaryEmbedding reads (sections layout, repeated pairs) from its module's class.
