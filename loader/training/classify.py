@@ -431,10 +431,18 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
             "computes its loss neither with self.loss_function nor a plain CrossEntropyLoss",
         )
     top = head_path.split(".")[0]
-    problem, ops = _logits_problem(model, source, top)
+    nested = isinstance(getattr(model, top, None), nn.Module) and head_path != top
+    problem, ops = _logits_problem(model, source, top, nested)
     if problem:
         return Verdict("loss", None, problem)
-    problem = _loss_inputs_problem(source, top)
+    if nested:
+        # a language model's head inside a submodule (BLIP-2, Nemotron-H Omni): what that
+        # model's forward does between its head and its logits must be known as well
+        problem, inner_ops = _inner_logits_problem(model, top, head_path)
+        if problem:
+            return Verdict("loss", None, problem)
+        ops = (*inner_ops, *ops)
+    problem, last_positions = _loss_inputs_problem(source, top, nested)
     if problem:
         return Verdict("loss", None, problem)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -467,6 +475,7 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         (OUTPUT_HEAD, head_path),
         (SHIFT_LABELS, not unshifted),
         (AUX_LOSS, aux_spec),
+        (LABEL_POSITIONS, last_positions),
     )
     return Verdict("loss", layer, attributes=attributes)
 
@@ -483,8 +492,53 @@ def _output_head_path(model: nn.Module) -> str | None:
     if head is None:
         head = getattr(model, "lm_head", None)
     if head is None:
-        return None
+        return _inner_head_path(model)
     return next((path for path, m in model.named_modules() if m is head and path), None)
+
+
+def _inner_head_path(model: nn.Module) -> str | None:
+    """The head of a language model the model holds as a direct child (``language_model``
+    with its own ``lm_head``), when the model has none of its own; None when no child has one
+    or more than one has."""
+    found = []
+    for name, child in model.named_children():
+        getter = getattr(child, "get_output_embeddings", None)
+        if not callable(getter):
+            continue
+        try:
+            head = getter()
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        path = next((p for p, m in child.named_modules() if m is head and p), None)
+        if path is not None:
+            found.append(f"{name}.{path}")
+    return found[0] if len(found) == 1 else None
+
+
+def _inner_logits_problem(model: nn.Module, top: str, head_path: str) -> tuple[str, tuple]:
+    """What the inner language model's forward does to its head's output, as _logits_problem
+    says it for the model itself; its scaling ops read from the model (``top.`` paths)."""
+    inner = model.get_submodule(top)
+    try:
+        source = inspect.getsource(inspect.unwrap(type(inner).forward))
+    except (OSError, TypeError):
+        return f"{top}'s forward's source cannot be read", ()
+    rest = head_path[len(top) + 1 :]
+    if "." in rest:
+        return f"{head_path} is not its language model's own child", ()
+    problem, ops = _logits_problem(inner, source, rest)
+    if problem:
+        return f"{top}: {problem}", ()
+    if _SOFTCAP_USE.search(source) or "final_logit_softcapping" in source:
+        # the loss layers read the soft-cap from the model's (text) config: it must be the
+        # inner model's own
+        if softcap_config(getattr(model, "config", None)) is not getattr(inner, "config", None):
+            return f"{top} soft-caps its logits by a config the model does not read", ()
+    prefixed = tuple(
+        ("model", f"{top}.{attr}" if holder == "model" else f"{top}.config.{attr}", op)
+        for holder, attr, op in ops
+    )
+    return "", prefixed
 
 
 # The loss layers read this class attribute: how the forward scales lm_head's output, as
@@ -492,6 +546,8 @@ def _output_head_path(model: nn.Module) -> str | None:
 # attribute may be a dotted path from the holder ("model.lm_head_multiplier").
 LOGIT_OPS = "kernels_logit_ops"
 OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
+# True: the loss is on the last positions, as many as the labels (an image prefix dropped)
+LABEL_POSITIONS = "kernels_label_positions"
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
 _AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")
@@ -521,9 +577,12 @@ def softcap_config(config: object) -> object:
     return config
 
 
-def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tuple[str, tuple]:
+def _logits_problem(
+    model: nn.Module, source: str, top: str = "lm_head", nested: bool = False
+) -> tuple[str, tuple]:
     """(why the loss layers cannot reproduce what the forward does to lm_head's output, "" if
-    they can: nothing, a soft-cap, a scale, a cast to fp32; the scaling ops it applies)."""
+    they can: nothing, a soft-cap, a scale, a cast to fp32; the scaling ops it applies).
+    ``nested``: ``self.<top>`` is a language model, whose output's logits may be taken."""
     lines = [line.split("#")[0].rstrip() for line in source.splitlines()]
     calls = [i for i, line in enumerate(lines) if f"self.{top}(" in line]
     if len(calls) != 1:
@@ -539,7 +598,17 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
     )
     if end is None:
         return f"no loss computed after `self.{top}(...)`", ()
-    for line in lines[start:end]:
+    first = start
+    if nested:  # the language model's call may span lines: from its closing parenthesis on
+        depth = 0
+        for first in range(start, end):
+            depth += lines[first].count("(") - lines[first].count(")")
+            if depth <= 0:
+                break
+        first += 1
+    for line in lines[first:end]:
+        if nested and _LOGITS_TAKEN.match(line):
+            continue
         if line.strip() and not _HEAD_LINE_OK.match(line):
             return f"post-processes its logits with `{line.strip()}`", ()
     body = "\n".join(lines[start:end])
@@ -589,20 +658,61 @@ def _body_before(source: str, marker: str) -> list[str]:
     return [ast.get_source_segment(text, stmt) or "" for stmt in body if stmt.lineno - 1 < stop]
 
 
-def _loss_inputs_problem(source: str, top: str) -> str:
-    """Why the loss layers cannot stand in for the forward's loss, from what the loss is
-    computed on: "" when the head's own logits and the labels as given."""
+def _loss_inputs_problem(source: str, top: str, nested: bool = False) -> tuple[str, bool]:
+    """(why the loss layers cannot stand in for the forward's loss, from what the loss is
+    computed on: "" when the head's own logits and the labels as given; whether the loss
+    drops leading positions of the logits: only the last ones, as many as the labels)."""
     for stmt in _body_before(source, f"self.{top}("):
         # an encoder-decoder that makes its decoder inputs from the labels: the loss layers run
         # the forward without labels, which would then decode nothing
         if "decoder_input_ids" in stmt and re.search(r"\blabels\b", stmt):
-            return "makes its decoder inputs from the labels"
+            return "makes its decoder inputs from the labels", False
     head = re.search(rf"(\w+) = self\.{top}\(", source)
+    if nested and head:
+        # the language model's output: its logits taken as `logits = outputs.logits`
+        taken = re.search(rf"^\s*(\w+) = {head.group(1)}(\.logits|\[0\])\s*$", source, re.M)
+        head = taken or head
     call = re.search(r"self\.loss_function\(\s*(?:logits=)?(\w+)", source)
-    if head and call and call.group(1) != head.group(1):
-        # GIT drops its image positions: logits[:, num_image_tokens:-1]
-        return f"computes its loss on `{call.group(1)}`, not on the logits of its head"
-    return ""
+    if not (head and call):
+        return "", False
+    logits, used = head.group(1), call.group(1)
+    if _LAST_LABELS.search(source.replace(" ", "")) and re.search(
+        rf"^\s*{logits} = {logits}\[:, -labels\.size\(1\) ?:, :\]\s*$", source, re.M
+    ):
+        return "", True  # BLIP-2: logits[:, -labels.size(1):], the query positions dropped
+    if used != logits:
+        if _dropped_prefix(source, logits, used):
+            return "", True
+        return f"computes its loss on `{used}`, not on the logits of its head", False
+    return "", False
+
+
+# GIT: logits[:, n:-1] against labels[:, 1:] (or caller's shift_labels against logits[:, n:]):
+# the labels' length fixes n (the shapes must agree), so the loss is the causal loss of the
+# last positions, as many as the labels
+_LAST_LABELS = re.compile(r"-labels\.size\(1\):")
+
+
+def _dropped_prefix(source: str, logits: str, used: str) -> bool:
+    """Whether ``used`` is ``logits`` with a prefix of positions dropped and the labels shifted
+    as the causal loss shifts them (GIT's image positions)."""
+    shifted = re.search(
+        rf"^\s*{used} = {logits}\[:, (\w+):-1, :\](\.contiguous\(\))?\s*$", source, re.M
+    )
+    if shifted is None:
+        return False
+    n = shifted.group(1)
+    given = re.search(rf"^\s*{used} = {logits}\[:, {n}:, :\](\.contiguous\(\))?\s*$", source, re.M)
+    labels = re.search(r"^\s*shift_labels = labels\[:, 1:\](\.contiguous\(\))?\s*$", source, re.M)
+    call = re.search(
+        rf"self\.loss_function\(\s*logits={used},\s*labels=None,[^)]*shift_labels=shift_labels",
+        source,
+    )
+    return bool(given and labels and call)
+
+
+# a language model's output, from which the model takes the logits
+_LOGITS_TAKEN = re.compile(r"^\s*\w+ = \w+(\.logits|\[0\])\s*$")
 
 
 def is_norm(module: nn.Module) -> bool:

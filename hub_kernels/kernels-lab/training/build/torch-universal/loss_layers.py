@@ -531,6 +531,18 @@ def causal_lm_forward(
     return result if return_dict else result.to_tuple()
 
 
+def label_positions(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The head inputs the loss is on: all of them, or, where the loader's probe set
+    ``kernels_label_positions`` (a forward that drops an image prefix of its logits, GIT and
+    BLIP-2), the last ones, as many as the labels have positions."""
+    if not getattr(model, "kernels_label_positions", False) or labels is None:
+        return hidden
+    keep = labels.shape[-1]
+    if hidden.shape[1] < keep:
+        raise ValueError(f"{keep} label positions but {hidden.shape[1]} positions of logits")
+    return hidden[:, hidden.shape[1] - keep :]
+
+
 _SIGNATURES: dict[type, inspect.Signature] = {}
 
 
@@ -606,7 +618,9 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     out, hidden = _run_without_logits(model, bound)
     if fused_head:
         aux = None if isinstance(out, tuple) else out.get("aux_loss")
-        return fused_lm_head_output(model, hidden, labels, output_head(model), options, aux)
+        given = options["shift_labels"]
+        rows = label_positions(model, hidden, labels if given is None else given)
+        return fused_lm_head_output(model, rows, labels, output_head(model), options, aux)
     softcap = logit_softcap(model)
     scale = logit_scale(model)
     head = output_head(model)
@@ -614,7 +628,9 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
         # nn.CrossEntropyLoss over labels the caller shifted (BART-style decoders): mean over
         # the non-ignored tokens, no num_items_in_batch
         extra = {"shift_labels": labels}
-    loss = fused_causal_lm_loss(model, hidden, labels, softcap, extra, scale, head)
+    given = extra.get("shift_labels")
+    rows = label_positions(model, hidden, labels if given is None else given)
+    loss = fused_causal_lm_loss(model, rows, labels, softcap, extra, scale, head)
     aux_spec = getattr(model, "kernels_aux_loss", None)
     aux = None if isinstance(out, tuple) else out.get("aux_loss")
     if aux_spec is not None and aux is not None:
