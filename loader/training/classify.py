@@ -430,8 +430,12 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
             None,
             "computes its loss neither with self.loss_function nor a plain CrossEntropyLoss",
         )
+    # an encoder-decoder's masked-LM loss: the labels as they are (the decoder's inputs are
+    # the labels shifted right), mean over them or / num_items_in_batch
+    masked = not unshifted and _loss_name(model) == "ForMaskedLMLoss"
     top = head_path.split(".")[0]
-    nested = isinstance(getattr(model, top, None), nn.Module) and head_path != top
+    nested = _inner_head_path(model) == head_path
+    source = _config_aliases(model, source)
     problem, ops = _logits_problem(model, source, top, nested)
     if problem:
         return Verdict("loss", None, problem)
@@ -442,7 +446,8 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         if problem:
             return Verdict("loss", None, problem)
         ops = (*inner_ops, *ops)
-    problem, last_positions = _loss_inputs_problem(source, top, nested)
+    decoder_inputs = _decoder_inputs_maker(source)
+    problem, last_positions = _loss_inputs_problem(source, top, nested, bool(decoder_inputs))
     if problem:
         return Verdict("loss", None, problem)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -463,7 +468,7 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         return Verdict("loss", None, "adds an auxiliary loss in a way the loss layers do not know")
     if aux is not None and not (llama_style and moe):
         llama_style = False  # the generic head adds the family's aux loss from its output
-    llama_style = llama_style and not unshifted
+    llama_style = llama_style and not unshifted and not masked
     if "labels" not in names:
         return Verdict("loss", None, "its forward takes no labels")
     layer = ("MoEForCausalLM" if moe else "ForCausalLM") if llama_style else "CausalLMHead"
@@ -473,9 +478,10 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     attributes = (
         (LOGIT_OPS, ops),
         (OUTPUT_HEAD, head_path),
-        (SHIFT_LABELS, not unshifted),
+        (SHIFT_LABELS, "items" if masked else not unshifted),
         (AUX_LOSS, aux_spec),
         (LABEL_POSITIONS, last_positions),
+        (DECODER_INPUTS, decoder_inputs),
     )
     return Verdict("loss", layer, attributes=attributes)
 
@@ -494,6 +500,48 @@ def _output_head_path(model: nn.Module) -> str | None:
     if head is None:
         return _inner_head_path(model)
     return next((path for path, m in model.named_modules() if m is head and path), None)
+
+
+def _loss_name(model: nn.Module) -> str:
+    """The name of the loss function ``self.loss_function`` is: one set on the model, else
+    transformers' for the model's ``loss_type`` (read without the property, which logs a
+    warning for a model without one)."""
+    fn = model.__dict__.get("_loss_function")
+    if fn is not None:
+        return getattr(fn, "__name__", "")
+    return f"{getattr(model, 'loss_type', None)}Loss"
+
+
+# `decoder_config = self.config.decoder`: a local name for a sub-config
+_CONFIG_ALIAS = re.compile(r"^\s*(\w+) = self\.config\.(\w+)\s*$", re.M)
+
+
+def _config_aliases(model: nn.Module, source: str) -> str:
+    """The source with a local alias of the config whose soft-cap the loss layers read
+    (T5Gemma 2's ``decoder_config = self.config.decoder``) written as ``self.config``; other
+    aliases stay (and are refused where they touch the logits)."""
+    config = getattr(model, "config", None)
+    for match in _CONFIG_ALIAS.finditer(source):
+        alias, attr = match.groups()
+        sub = getattr(config, attr, None)
+        if sub is not None and sub is softcap_config(config):
+            source = source.replace(match.group(0) + "\n", "")
+            source = re.sub(rf"\b{alias}\.", "self.config.", source)
+    return source
+
+
+# An encoder-decoder's forward that makes its decoder inputs from the labels exactly when the
+# caller gave none: the method it calls (T5Gemma 2's prepare_decoder_input_ids_from_labels)
+_DECODER_INPUTS = re.compile(
+    r"^\s*if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:"
+    r"\s*\n(?:\s*#[^\n]*\n)*\s*decoder_input_ids = self\.(\w+)\(labels\)\s*\n",
+    re.M,
+)
+
+
+def _decoder_inputs_maker(source: str) -> str | None:
+    found = _DECODER_INPUTS.search(source)
+    return found.group(1) if found else None
 
 
 def _inner_head_path(model: nn.Module) -> str | None:
@@ -548,6 +596,8 @@ LOGIT_OPS = "kernels_logit_ops"
 OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
 # True: the loss is on the last positions, as many as the labels (an image prefix dropped)
 LABEL_POSITIONS = "kernels_label_positions"
+# the method making an encoder-decoder's decoder inputs from the labels, when none are given
+DECODER_INPUTS = "kernels_decoder_inputs"
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
 _AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")
@@ -658,14 +708,20 @@ def _body_before(source: str, marker: str) -> list[str]:
     return [ast.get_source_segment(text, stmt) or "" for stmt in body if stmt.lineno - 1 < stop]
 
 
-def _loss_inputs_problem(source: str, top: str, nested: bool = False) -> tuple[str, bool]:
+def _loss_inputs_problem(
+    source: str, top: str, nested: bool = False, decoder_inputs: bool = False
+) -> tuple[str, bool]:
     """(why the loss layers cannot stand in for the forward's loss, from what the loss is
     computed on: "" when the head's own logits and the labels as given; whether the loss
-    drops leading positions of the logits: only the last ones, as many as the labels)."""
+    drops leading positions of the logits: only the last ones, as many as the labels).
+    ``decoder_inputs``: the one statement making decoder inputs from the labels is known
+    (the loss layers make them the same way before they run the forward without labels)."""
     for stmt in _body_before(source, f"self.{top}("):
         # an encoder-decoder that makes its decoder inputs from the labels: the loss layers run
         # the forward without labels, which would then decode nothing
         if "decoder_input_ids" in stmt and re.search(r"\blabels\b", stmt):
+            if decoder_inputs and _DECODER_INPUTS.search(stmt + "\n"):
+                continue
             return "makes its decoder inputs from the labels", False
     head = re.search(rf"(\w+) = self\.{top}\(", source)
     if nested and head:
