@@ -77,12 +77,17 @@ REPRESENTATIVES = {
 }
 
 
+IMAGE_PREFIXED = {"git"}
+
+
 @pytest.mark.parametrize("model_type", sorted(REPRESENTATIVES))
 def test_representative_vlms_bind_and_match_with_images(mirror, model_type):
     outcome = run_vlm(model_type)
     assert outcome.status == "match", outcome
     details = outcome.details
-    assert details["image_tokens"] > 0 and "pixel_values" in details["inputs"], details
+    assert "pixel_values" in details["inputs"], details
+    # GIT puts its image features before the text: no image tokens in the text
+    assert details["image_tokens"] > 0 or model_type in IMAGE_PREFIXED, details
     for place, layers in REPRESENTATIVES[model_type].items():
         missing = layers - set(details[f"{place}_bound"])
         assert not missing, (place, missing, details[f"{place}_unbound"])
