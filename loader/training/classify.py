@@ -440,7 +440,7 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     if problem:
         return Verdict("loss", None, problem)
     if nested:
-        # a language model's head inside a submodule (BLIP-2, Nemotron-H Omni): what that
+        # a language model's head inside a submodule (Nemotron-H Omni): what that
         # model's forward does between its head and its logits must be known as well
         problem, inner_ops = _inner_logits_problem(model, top, head_path)
         if problem:
@@ -732,10 +732,6 @@ def _loss_inputs_problem(
     if not (head and call):
         return "", False
     logits, used = head.group(1), call.group(1)
-    if _LAST_LABELS.search(source.replace(" ", "")) and re.search(
-        rf"^\s*{logits} = {logits}\[:, -labels\.size\(1\) ?:, :\]\s*$", source, re.M
-    ):
-        return "", True  # BLIP-2: logits[:, -labels.size(1):], the query positions dropped
     if used != logits:
         if _dropped_prefix(source, logits, used):
             return "", True
@@ -743,15 +739,12 @@ def _loss_inputs_problem(
     return "", False
 
 
-# GIT: logits[:, n:-1] against labels[:, 1:] (or caller's shift_labels against logits[:, n:]):
-# the labels' length fixes n (the shapes must agree), so the loss is the causal loss of the
-# last positions, as many as the labels
-_LAST_LABELS = re.compile(r"-labels\.size\(1\):")
-
-
 def _dropped_prefix(source: str, logits: str, used: str) -> bool:
     """Whether ``used`` is ``logits`` with a prefix of positions dropped and the labels shifted
-    as the causal loss shifts them (GIT's image positions)."""
+    as the causal loss shifts them: GIT's logits[:, n:-1] against labels[:, 1:] (a caller's
+    shift_labels against logits[:, n:]). The shapes must agree in the family's own loss, so n
+    is the logits' length minus the labels': the loss of the last positions, as many as the
+    labels."""
     shifted = re.search(
         rf"^\s*{used} = {logits}\[:, (\w+):-1, :\](\.contiguous\(\))?\s*$", source, re.M
     )

@@ -548,8 +548,8 @@ def _decoder_inputs_from_labels(model: nn.Module, bound, labels) -> None:
 
 def label_positions(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The head inputs the loss is on: all of them, or, where the loader's probe set
-    ``kernels_label_positions`` (a forward that drops an image prefix of its logits, GIT and
-    BLIP-2), the last ones, as many as the labels have positions."""
+    ``kernels_label_positions`` (a forward that drops an image prefix of its logits: GIT),
+    the last ones, as many as the labels have positions."""
     if not getattr(model, "kernels_label_positions", False) or labels is None:
         return hidden
     keep = labels.shape[-1]
