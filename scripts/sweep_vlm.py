@@ -140,8 +140,8 @@ def _shortfall(built: list, good: list) -> str:
         o.details.get("head_bound", ()))]  # fmt: skip
     text = [o.model_type for o in rest if o.model_type not in wrong + head]
     parts = [
-        f"{len(head)} keep their loss head's forward (its loss is not on a top-level Linear's "
-        f"logits: {', '.join(head)})"
+        f"{len(head)} keep their loss head's forward (its loss is not one the loss layers "
+        f"reproduce, or their head not one they read: {', '.join(head)})"
         if head
         else "",
         f"{len(text)} bind their head but not their text MLP or norms ({', '.join(text)})"

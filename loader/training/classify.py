@@ -204,6 +204,9 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
     fused = _is_linear(children.get("gate_up_proj")) and _is_linear(children.get("down_proj"))
     separate = all(_is_linear(children.get(n)) for n in ("gate_proj", "up_proj", "down_proj"))
     if not (fused or separate):
+        orders = probes.gated_orders(module)
+        if orders and (v := named_gated_verdict(module, orders, available)) is not None:
+            return v
         plain = _plain_projections(module)
         if plain is not None and (v := plain_mlp_verdict(module, plain, available)) is not None:
             return v
@@ -238,8 +241,44 @@ def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Ve
     return Verdict("mlp", None, missing) if missing else Verdict("mlp", layer)
 
 
-# The class attributes ReLUSquaredMLP and GELUMLP read: the names of the (in, out)
-# projections; GELUMLP also which GELU ("gelu", "gelu_tanh", "quick_gelu").
+def named_gated_verdict(
+    module: nn.Module, orders: list[tuple[str, str, str]], available: Callable[[str], str | None]
+) -> Verdict | None:
+    """SwiGLUMLP / GeGLUMLP for a gated MLP whose three projections have other names (LFM2's
+    w1/w3/w2, T5's wi_0/wi_1/wo) or whose activation is called inline (``F.silu``): which child
+    is the gate, the up and the down projection, and the activation, are told by running it.
+    None when no order and activation fit (the caller goes on to the non-gated rules)."""
+    if not probes.one_tensor_forward(type(module)):
+        return None
+    found = next(((o, k) for o in orders if (k := probes.probe_gated_mlp(module, o))), None)
+    if found is None:
+        return None
+    order, kind = found
+    dropout = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropout:
+        # the fused layer has no dropout: binding it would train another model
+        return Verdict("mlp", None, f"applies dropout ({dropout[0]}) the fused layer does not")
+    layer = "SwiGLUMLP" if kind == "silu" else "GeGLUMLP"
+    missing = available(layer)
+    if missing:
+        return Verdict("mlp", None, missing)
+    return Verdict(
+        "mlp",
+        layer,
+        condition=_no_active_dropout,
+        attributes=((MLP_PROJECTIONS, order), (MLP_ACTIVATION, kind)),
+    )
+
+
+def _no_active_dropout(module: nn.Module) -> bool:
+    """An instance whose config turned dropout on keeps its forward (the class may differ
+    per instance: T5's dropout_rate)."""
+    return not any(isinstance(m, nn.Dropout) and m.p > 0 for m in module._modules.values())
+
+
+# The class attributes ReLUSquaredMLP, GELUMLP and the gated layers (for other child names)
+# read: the names of the (in, out) projections, or (gate, up, down); which activation
+# ("gelu", "gelu_tanh", "quick_gelu"; "silu" for a gated one).
 MLP_PROJECTIONS = "kernels_mlp_projections"
 MLP_ACTIVATION = "kernels_mlp_activation"
 # MultimodalRotaryEmbedding reads (sections layout, repeated pairs) from its module's class.
@@ -391,11 +430,24 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
             None,
             "computes its loss neither with self.loss_function nor a plain CrossEntropyLoss",
         )
+    # an encoder-decoder's masked-LM loss: the labels as they are (the decoder's inputs are
+    # the labels shifted right), mean over them or / num_items_in_batch
+    masked = not unshifted and _loss_name(model) == "ForMaskedLMLoss"
     top = head_path.split(".")[0]
-    problem, ops = _logits_problem(model, source, top)
+    nested = _inner_head_path(model) == head_path
+    source = _config_aliases(model, source)
+    problem, ops = _logits_problem(model, source, top, nested)
     if problem:
         return Verdict("loss", None, problem)
-    problem = _loss_inputs_problem(source, top)
+    if nested:
+        # a language model's head inside a submodule (Nemotron-H Omni): what that
+        # model's forward does between its head and its logits must be known as well
+        problem, inner_ops = _inner_logits_problem(model, top, head_path)
+        if problem:
+            return Verdict("loss", None, problem)
+        ops = (*inner_ops, *ops)
+    decoder_inputs = _decoder_inputs_maker(source)
+    problem, last_positions = _loss_inputs_problem(source, top, nested, bool(decoder_inputs))
     if problem:
         return Verdict("loss", None, problem)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
@@ -416,7 +468,7 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         return Verdict("loss", None, "adds an auxiliary loss in a way the loss layers do not know")
     if aux is not None and not (llama_style and moe):
         llama_style = False  # the generic head adds the family's aux loss from its output
-    llama_style = llama_style and not unshifted
+    llama_style = llama_style and not unshifted and not masked
     if "labels" not in names:
         return Verdict("loss", None, "its forward takes no labels")
     layer = ("MoEForCausalLM" if moe else "ForCausalLM") if llama_style else "CausalLMHead"
@@ -426,8 +478,10 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     attributes = (
         (LOGIT_OPS, ops),
         (OUTPUT_HEAD, head_path),
-        (SHIFT_LABELS, not unshifted),
+        (SHIFT_LABELS, "items" if masked else not unshifted),
         (AUX_LOSS, aux_spec),
+        (LABEL_POSITIONS, last_positions),
+        (DECODER_INPUTS, decoder_inputs),
     )
     return Verdict("loss", layer, attributes=attributes)
 
@@ -444,8 +498,95 @@ def _output_head_path(model: nn.Module) -> str | None:
     if head is None:
         head = getattr(model, "lm_head", None)
     if head is None:
-        return None
+        return _inner_head_path(model)
     return next((path for path, m in model.named_modules() if m is head and path), None)
+
+
+def _loss_name(model: nn.Module) -> str:
+    """The name of the loss function ``self.loss_function`` is: one set on the model, else
+    transformers' for the model's ``loss_type`` (read without the property, which logs a
+    warning for a model without one)."""
+    fn = model.__dict__.get("_loss_function")
+    if fn is not None:
+        return getattr(fn, "__name__", "")
+    return f"{getattr(model, 'loss_type', None)}Loss"
+
+
+# `decoder_config = self.config.decoder`: a local name for a sub-config
+_CONFIG_ALIAS = re.compile(r"^\s*(\w+) = self\.config\.(\w+)\s*$", re.M)
+
+
+def _config_aliases(model: nn.Module, source: str) -> str:
+    """The source with a local alias of the config whose soft-cap the loss layers read
+    (T5Gemma 2's ``decoder_config = self.config.decoder``) written as ``self.config``; other
+    aliases stay (and are refused where they touch the logits)."""
+    config = getattr(model, "config", None)
+    for match in _CONFIG_ALIAS.finditer(source):
+        alias, attr = match.groups()
+        sub = getattr(config, attr, None)
+        if sub is not None and sub is softcap_config(config):
+            source = source.replace(match.group(0) + "\n", "")
+            source = re.sub(rf"\b{alias}\.", "self.config.", source)
+    return source
+
+
+# An encoder-decoder's forward that makes its decoder inputs from the labels exactly when the
+# caller gave none: the method it calls (T5Gemma 2's prepare_decoder_input_ids_from_labels)
+_DECODER_INPUTS = re.compile(
+    r"^\s*if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:"
+    r"\s*\n(?:\s*#[^\n]*\n)*\s*decoder_input_ids = self\.(\w+)\(labels\)\s*\n",
+    re.M,
+)
+
+
+def _decoder_inputs_maker(source: str) -> str | None:
+    found = _DECODER_INPUTS.search(source)
+    return found.group(1) if found else None
+
+
+def _inner_head_path(model: nn.Module) -> str | None:
+    """The head of a language model the model holds as a direct child (``language_model``
+    with its own ``lm_head``), when the model has none of its own; None when no child has one
+    or more than one has."""
+    found = []
+    for name, child in model.named_children():
+        getter = getattr(child, "get_output_embeddings", None)
+        if not callable(getter):
+            continue
+        try:
+            head = getter()
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        path = next((p for p, m in child.named_modules() if m is head and p), None)
+        if path is not None:
+            found.append(f"{name}.{path}")
+    return found[0] if len(found) == 1 else None
+
+
+def _inner_logits_problem(model: nn.Module, top: str, head_path: str) -> tuple[str, tuple]:
+    """What the inner language model's forward does to its head's output, as _logits_problem
+    says it for the model itself; its scaling ops read from the model (``top.`` paths)."""
+    inner = model.get_submodule(top)
+    try:
+        source = inspect.getsource(inspect.unwrap(type(inner).forward))
+    except (OSError, TypeError):
+        return f"{top}'s forward's source cannot be read", ()
+    rest = head_path[len(top) + 1 :]
+    if "." in rest:
+        return f"{head_path} is not its language model's own child", ()
+    problem, ops = _logits_problem(inner, source, rest)
+    if problem:
+        return f"{top}: {problem}", ()
+    if _SOFTCAP_USE.search(source) or "final_logit_softcapping" in source:
+        # the loss layers read the soft-cap from the model's (text) config: it must be the
+        # inner model's own
+        if softcap_config(getattr(model, "config", None)) is not getattr(inner, "config", None):
+            return f"{top} soft-caps its logits by a config the model does not read", ()
+    prefixed = tuple(
+        ("model", f"{top}.{attr}" if holder == "model" else f"{top}.config.{attr}", op)
+        for holder, attr, op in ops
+    )
+    return "", prefixed
 
 
 # The loss layers read this class attribute: how the forward scales lm_head's output, as
@@ -453,6 +594,10 @@ def _output_head_path(model: nn.Module) -> str | None:
 # attribute may be a dotted path from the holder ("model.lm_head_multiplier").
 LOGIT_OPS = "kernels_logit_ops"
 OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm_head
+# True: the loss is on the last positions, as many as the labels (an image prefix dropped)
+LABEL_POSITIONS = "kernels_label_positions"
+# the method making an encoder-decoder's decoder inputs from the labels, when none are given
+DECODER_INPUTS = "kernels_decoder_inputs"
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
 _AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")
@@ -482,9 +627,12 @@ def softcap_config(config: object) -> object:
     return config
 
 
-def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tuple[str, tuple]:
+def _logits_problem(
+    model: nn.Module, source: str, top: str = "lm_head", nested: bool = False
+) -> tuple[str, tuple]:
     """(why the loss layers cannot reproduce what the forward does to lm_head's output, "" if
-    they can: nothing, a soft-cap, a scale, a cast to fp32; the scaling ops it applies)."""
+    they can: nothing, a soft-cap, a scale, a cast to fp32; the scaling ops it applies).
+    ``nested``: ``self.<top>`` is a language model, whose output's logits may be taken."""
     lines = [line.split("#")[0].rstrip() for line in source.splitlines()]
     calls = [i for i, line in enumerate(lines) if f"self.{top}(" in line]
     if len(calls) != 1:
@@ -500,7 +648,17 @@ def _logits_problem(model: nn.Module, source: str, top: str = "lm_head") -> tupl
     )
     if end is None:
         return f"no loss computed after `self.{top}(...)`", ()
-    for line in lines[start:end]:
+    first = start
+    if nested:  # the language model's call may span lines: from its closing parenthesis on
+        depth = 0
+        for first in range(start, end):
+            depth += lines[first].count("(") - lines[first].count(")")
+            if depth <= 0:
+                break
+        first += 1
+    for line in lines[first:end]:
+        if nested and _LOGITS_TAKEN.match(line):
+            continue
         if line.strip() and not _HEAD_LINE_OK.match(line):
             return f"post-processes its logits with `{line.strip()}`", ()
     body = "\n".join(lines[start:end])
@@ -550,20 +708,60 @@ def _body_before(source: str, marker: str) -> list[str]:
     return [ast.get_source_segment(text, stmt) or "" for stmt in body if stmt.lineno - 1 < stop]
 
 
-def _loss_inputs_problem(source: str, top: str) -> str:
-    """Why the loss layers cannot stand in for the forward's loss, from what the loss is
-    computed on: "" when the head's own logits and the labels as given."""
+def _loss_inputs_problem(
+    source: str, top: str, nested: bool = False, decoder_inputs: bool = False
+) -> tuple[str, bool]:
+    """(why the loss layers cannot stand in for the forward's loss, from what the loss is
+    computed on: "" when the head's own logits and the labels as given; whether the loss
+    drops leading positions of the logits: only the last ones, as many as the labels).
+    ``decoder_inputs``: the one statement making decoder inputs from the labels is known
+    (the loss layers make them the same way before they run the forward without labels)."""
     for stmt in _body_before(source, f"self.{top}("):
         # an encoder-decoder that makes its decoder inputs from the labels: the loss layers run
         # the forward without labels, which would then decode nothing
         if "decoder_input_ids" in stmt and re.search(r"\blabels\b", stmt):
-            return "makes its decoder inputs from the labels"
+            if decoder_inputs and _DECODER_INPUTS.search(stmt + "\n"):
+                continue
+            return "makes its decoder inputs from the labels", False
     head = re.search(rf"(\w+) = self\.{top}\(", source)
+    if nested and head:
+        # the language model's output: its logits taken as `logits = outputs.logits`
+        taken = re.search(rf"^\s*(\w+) = {head.group(1)}(\.logits|\[0\])\s*$", source, re.M)
+        head = taken or head
     call = re.search(r"self\.loss_function\(\s*(?:logits=)?(\w+)", source)
-    if head and call and call.group(1) != head.group(1):
-        # GIT drops its image positions: logits[:, num_image_tokens:-1]
-        return f"computes its loss on `{call.group(1)}`, not on the logits of its head"
-    return ""
+    if not (head and call):
+        return "", False
+    logits, used = head.group(1), call.group(1)
+    if used != logits:
+        if _dropped_prefix(source, logits, used):
+            return "", True
+        return f"computes its loss on `{used}`, not on the logits of its head", False
+    return "", False
+
+
+def _dropped_prefix(source: str, logits: str, used: str) -> bool:
+    """Whether ``used`` is ``logits`` with a prefix of positions dropped and the labels shifted
+    as the causal loss shifts them: GIT's logits[:, n:-1] against labels[:, 1:] (a caller's
+    shift_labels against logits[:, n:]). The shapes must agree in the family's own loss, so n
+    is the logits' length minus the labels': the loss of the last positions, as many as the
+    labels."""
+    shifted = re.search(
+        rf"^\s*{used} = {logits}\[:, (\w+):-1, :\](\.contiguous\(\))?\s*$", source, re.M
+    )
+    if shifted is None:
+        return False
+    n = shifted.group(1)
+    given = re.search(rf"^\s*{used} = {logits}\[:, {n}:, :\](\.contiguous\(\))?\s*$", source, re.M)
+    labels = re.search(r"^\s*shift_labels = labels\[:, 1:\](\.contiguous\(\))?\s*$", source, re.M)
+    call = re.search(
+        rf"self\.loss_function\(\s*logits={used},\s*labels=None,[^)]*shift_labels=shift_labels",
+        source,
+    )
+    return bool(given and labels and call)
+
+
+# a language model's output, from which the model takes the logits
+_LOGITS_TAKEN = re.compile(r"^\s*\w+ = \w+(\.logits|\[0\])\s*$")
 
 
 def is_norm(module: nn.Module) -> bool:

@@ -512,3 +512,66 @@ def probe_qkv_attention(module: nn.Module, qkv_name: str, out_name: str) -> str:
         if not (isinstance(got, torch.Tensor) and _close(got, want, _FP32_RTOL)):
             return "does not compute attention over [q | k | v] blocks with rotate-half RoPE"
     return ""
+
+
+# -- gated MLPs under other names -------------------------------------------------------------
+
+# The gated layers' activations, by the name the layers read from ``kernels_mlp_activation``:
+# an MLP that calls one inline (``F.silu(self.w1(x))``) holds no activation module to read.
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": lambda x: F.gelu(x),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def gated_orders(module: nn.Module) -> list[tuple[str, str, str]]:
+    """The (gate, up, down) child names a gated MLP could have: exactly three Linear children,
+    two [inner, hidden] and one [hidden, inner], whatever they are called (LFM2's w1/w3/w2,
+    T5's wi_0/wi_1/wo). Every assignment the shapes allow; the probe picks the one computed."""
+    linears = {n: m.weight.shape for n, m in module._modules.items() if _plain_linear(m)}
+    if len(linears) != 3:
+        return []
+    orders = []
+    for down, shape in linears.items():
+        ins = [n for n in linears if n != down]
+        if all(linears[n] == shape[::-1] for n in ins):
+            orders += [(ins[0], ins[1], down), (ins[1], ins[0], down)]
+    return orders
+
+
+def _plain_linear(m: object) -> bool:
+    w = getattr(m, "weight", None)
+    return (
+        isinstance(m, nn.Module) and isinstance(w, torch.Tensor) and w.dim() == 2 and not m._modules
+    )
+
+
+def probe_gated_mlp(module: nn.Module, order: tuple[str, str, str]) -> str | None:
+    """Which activation ("silu", "gelu", "gelu_tanh") makes the module's own forward compute
+    down(act(gate(x)) * up(x)) with the children ``order`` names, or None. Probed through a
+    shallow copy whose projections are small random Linears (gate and up told apart: act(a) * b
+    is not act(b) * a). The output alone names the activation, whatever module computes it:
+    the layers then read ``kernels_mlp_activation``, not the module."""
+    hidden, inner = 8, 12
+    gen = torch.Generator().manual_seed(9)
+    probe = _probe_shell(module)
+    gate, up, down = order
+    for name, n_in, n_out in ((gate, hidden, inner), (up, hidden, inner), (down, inner, hidden)):
+        probe._modules[name] = _small_linear(module._modules[name], n_in, n_out, gen)
+    for name, child in module._modules.items():
+        if isinstance(child, nn.Dropout):
+            probe._modules[name] = nn.Identity()  # what it computes; the verdict says dropout
+    x = torch.randn(2, 3, hidden, generator=gen)
+    try:
+        with torch.no_grad():
+            out = probe(x)
+    except Exception:  # noqa: BLE001 - a forward that needs more than x is not one of ours
+        return None
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    with torch.no_grad():
+        g, u = probe._modules[gate](x), probe._modules[up](x)
+        for kind, fn in GATED_ACTIVATIONS.items():
+            if _close(out, probe._modules[down](fn(g) * u), _FP32_RTOL):
+                return kind
+    return None

@@ -160,3 +160,192 @@ def test_gelu_mlps_bind_with_the_gelu_they_compute():
 def test_a_non_gelu_activation_leaves_the_mlp_unbound():
     verdict = _verdict(type("SoftplusMLP", (TowerMLP,), {})(Softplus()))
     assert verdict.layer is None and verdict.reason.startswith("not gated")
+
+
+# -- gated MLPs under other names ---------------------------------------------------------------
+
+
+class NamedGated(nn.Module):
+    """A gated MLP under names no family uses, the down projection declared first; the
+    activation inline (``act`` None) or a module; ``gate`` says which child is the gate."""
+
+    def __init__(self, fn=torch.nn.functional.silu, act=None, dropout=0.0, width=(32, 48)):
+        super().__init__()
+        hidden, inner = width
+        self.out = nn.Linear(inner, hidden, bias=False)
+        self.left = nn.Linear(hidden, inner, bias=False)
+        self.right = nn.Linear(hidden, inner, bias=False)
+        self.drop = nn.Dropout(dropout)
+        self.fn, self.act = fn, act
+
+    def forward(self, x):
+        act = self.act if self.act is not None else self.fn
+        return self.out(self.drop(act(self.right(x)) * self.left(x)))
+
+
+def test_gated_mlps_under_other_names_bind_with_their_gate_and_activation():
+    gelu_tanh = lambda x: torch.nn.functional.gelu(x, approximate="tanh")  # noqa: E731
+    for i, (kwargs, layer, kind) in enumerate(
+        (
+            ({}, "SwiGLUMLP", "silu"),
+            ({"fn": gelu_tanh}, "GeGLUMLP", "gelu_tanh"),
+            ({"act": nn.GELU()}, "GeGLUMLP", "gelu"),
+            # square projections: the shapes cannot tell the down projection, the probe does
+            ({"width": (32, 32)}, "SwiGLUMLP", "silu"),
+        )
+    ):
+        verdict = _verdict(type(f"NamedGated{i}", (NamedGated,), {})(**kwargs))
+        assert verdict.layer == layer, (kind, verdict)
+        attrs = dict(verdict.attributes)
+        assert attrs["kernels_mlp_projections"] == ("right", "left", "out"), attrs
+        assert attrs["kernels_mlp_activation"] == kind
+
+
+def test_a_gated_mlp_with_dropout_or_another_activation_keeps_its_forward():
+    verdict = _verdict(type("DroppingGated", (NamedGated,), {})(dropout=0.1))
+    assert verdict.layer is None
+    assert verdict.reason == "applies dropout (drop) the fused layer does not"
+    softplus = type("SoftplusGatedMLP", (NamedGated,), {})(fn=torch.nn.functional.softplus)
+    assert _verdict(softplus).layer is None  # no fused kernel for it: left as it is
+
+
+# -- loss heads: a head inside a language model, a dropped image prefix --------------------------
+
+
+class TinyLM(nn.Module):
+    """A causal LM the captioner holds: ``lm_head`` its output embedding."""
+
+    def __init__(self, scale_logits=False):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.scale_logits = scale_logits
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        hidden_states = self.body(inputs_embeds)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = logits.sum()
+        return {"loss": loss, "logits": logits}
+
+
+class DoublingLM(TinyLM):
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        hidden_states = self.body(inputs_embeds)
+        logits = self.lm_head(hidden_states)
+        logits = logits * 2.0
+        loss = None
+        if labels is not None:
+            loss = logits.sum()
+        return {"loss": loss, "logits": logits}
+
+
+def _ce(logits=None, labels=None, vocab_size=16, shift_labels=None, **kwargs):
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, vocab_size), shift_labels.reshape(-1)
+    )
+
+
+class Captioner(nn.Module):
+    """Its loss on the logits of the language model it holds (no head of its own)."""
+
+    inner = TinyLM
+
+    def __init__(self):
+        super().__init__()
+        self.language_model = self.inner()
+        self.loss_function = _ce
+
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        outputs = self.language_model(
+            inputs_embeds=inputs_embeds,
+            **kwargs,
+        )
+        logits = outputs.logits
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=16, **kwargs)
+        return loss, logits
+
+
+class DoublingCaptioner(Captioner):
+    inner = DoublingLM
+
+
+def _head(model: nn.Module):
+    return classify(model).classes[type(model)]
+
+
+def test_a_loss_on_a_held_language_models_logits_binds_its_head():
+    verdict = _head(Captioner())
+    assert verdict.layer == "CausalLMHead", verdict
+    attrs = dict(verdict.attributes)
+    assert attrs["kernels_output_head"] == "language_model.lm_head"
+    assert attrs["kernels_shift_labels"] is True and not attrs["kernels_label_positions"]
+    # what the language model does to its logits counts as much as the captioner's own lines
+    doubled = _head(DoublingCaptioner())
+    assert doubled.layer is None
+    assert (
+        doubled.reason == "language_model: post-processes its logits with `logits = logits * 2.0`"
+    )
+
+
+class PrefixCaptioner(nn.Module):
+    """GIT-style: image positions before the text, the loss on the text positions only."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.loss_function = _ce
+
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        hidden_states = self.body(inputs_embeds)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        shift_labels = kwargs.pop("shift_labels", None)
+        if labels is not None:
+            num_image_tokens = 4
+            if shift_labels is None:
+                shifted_logits = logits[:, num_image_tokens:-1, :].contiguous()
+                shift_labels = labels[:, 1:].contiguous()
+            else:
+                shifted_logits = logits[:, num_image_tokens:, :].contiguous()
+            loss = self.loss_function(
+                logits=shifted_logits, labels=None, vocab_size=16, shift_labels=shift_labels
+            )
+        return loss, logits
+
+
+class SkippingCaptioner(PrefixCaptioner):
+    """Drops a prefix but shifts its labels by two: not the causal loss."""
+
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        hidden_states = self.body(inputs_embeds)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        shift_labels = kwargs.pop("shift_labels", None)
+        if labels is not None:
+            num_image_tokens = 4
+            if shift_labels is None:
+                shifted_logits = logits[:, num_image_tokens:-1, :].contiguous()
+                shift_labels = labels[:, 2:].contiguous()
+            else:
+                shifted_logits = logits[:, num_image_tokens:, :].contiguous()
+            loss = self.loss_function(
+                logits=shifted_logits, labels=None, vocab_size=16, shift_labels=shift_labels
+            )
+        return loss, logits
+
+
+def test_a_loss_on_the_text_positions_binds_on_the_last_positions_only():
+    verdict = _head(PrefixCaptioner())
+    assert verdict.layer == "CausalLMHead", verdict
+    assert dict(verdict.attributes)["kernels_label_positions"] is True
+    skipping = _head(SkippingCaptioner())
+    assert skipping.layer is None
+    assert skipping.reason == "computes its loss on `shifted_logits`, not on the logits of its head"

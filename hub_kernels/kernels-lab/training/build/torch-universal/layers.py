@@ -241,6 +241,20 @@ class SiLU(nn.Module):
         return silu(input)
 
 
+def _gated_projections(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(gate, up, down): ``gate_proj``/``up_proj``/``down_proj``, or the child names the class
+    attribute ``kernels_mlp_projections`` gives (LFM2's w1/w3/w2, T5's wi_0/wi_1/wo)."""
+    names = getattr(module, "kernels_mlp_projections", ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = (getattr(module, n) for n in names)
+    return gate, up, down
+
+
+def _gated_activation(module: nn.Module) -> str | None:
+    """The activation the loader's probe found ("silu", "gelu", "gelu_tanh": set where the MLP
+    calls it inline or under another name), else None (read the act_fn module)."""
+    return getattr(module, "kernels_mlp_activation", None)
+
+
 class SwiGLUMLP(nn.Module):
     """Llama/Qwen3-style MLP, down(silu(gate(x)) * up(x)), with the gated product fused."""
 
@@ -248,15 +262,17 @@ class SwiGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = type(_act(self)).__name__
-        if name not in _SILU_CLASSES:
+        probed = _gated_activation(self)
+        name = probed or type(_act(self)).__name__
+        if name not in _SILU_CLASSES and name != "silu":
             raise ValueError(
                 f"SwiGLUMLP needs a SiLU act_fn, got {name}; map this MLP to another layer"
             )
-        out = gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, SILU)
+        gate_proj, up_proj, down_proj = _gated_projections(self)
+        out = gated_mlp(x, gate_proj, up_proj, down_proj, SILU)
         if out is None:
-            in_place = _outputs_private(self.gate_proj, self.up_proj)
-            out = self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), in_place=in_place))
+            in_place = _outputs_private(gate_proj, up_proj)
+            out = down_proj(silu_mul(gate_proj(x), up_proj(x), in_place=in_place))
         return out
 
 
@@ -267,13 +283,20 @@ class GeGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        approximate = _gelu_approximate(_act(self))
+        probed = _gated_activation(self)
+        if probed is not None and probed not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"GeGLUMLP needs a GELU, got {probed}; map this MLP to another layer")
+        if probed is None:
+            approximate = _gelu_approximate(_act(self))
+        else:
+            approximate = "tanh" if probed == "gelu_tanh" else "none"
         act = GELU_TANH if approximate == "tanh" else GELU_ERF
-        out = gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, act)
+        gate_proj, up_proj, down_proj = _gated_projections(self)
+        out = gated_mlp(x, gate_proj, up_proj, down_proj, act)
         if out is None:
-            in_place = _outputs_private(self.gate_proj, self.up_proj)
-            gate, up = self.gate_proj(x), self.up_proj(x)
-            out = self.down_proj(gelu_mul(gate, up, approximate, in_place=in_place))
+            in_place = _outputs_private(gate_proj, up_proj)
+            gate, up = gate_proj(x), up_proj(x)
+            out = down_proj(gelu_mul(gate, up, approximate, in_place=in_place))
         return out
 
 

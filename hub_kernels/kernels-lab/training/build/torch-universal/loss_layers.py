@@ -531,6 +531,33 @@ def causal_lm_forward(
     return result if return_dict else result.to_tuple()
 
 
+def _decoder_inputs_from_labels(model: nn.Module, bound, labels) -> None:
+    """An encoder-decoder whose forward makes its decoder inputs from the labels when the call
+    gives none (``kernels_decoder_inputs`` names the method, set by the loader's probe): make
+    them here, as the forward would, since it runs without labels."""
+    maker = getattr(model, "kernels_decoder_inputs", None)
+    args = bound.arguments
+    if (
+        maker
+        and labels is not None
+        and args.get("decoder_input_ids") is None
+        and args.get("decoder_inputs_embeds") is None
+    ):
+        args["decoder_input_ids"] = getattr(model, maker)(labels)
+
+
+def label_positions(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The head inputs the loss is on: all of them, or, where the loader's probe set
+    ``kernels_label_positions`` (a forward that drops an image prefix of its logits: GIT),
+    the last ones, as many as the labels have positions."""
+    if not getattr(model, "kernels_label_positions", False) or labels is None:
+        return hidden
+    keep = labels.shape[-1]
+    if hidden.shape[1] < keep:
+        raise ValueError(f"{keep} label positions but {hidden.shape[1]} positions of logits")
+    return hidden[:, hidden.shape[1] - keep :]
+
+
 _SIGNATURES: dict[type, inspect.Signature] = {}
 
 
@@ -582,6 +609,7 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     labels = bound.arguments.get("labels")
     if labels is None and not fused_head:
         return type(model).forward(*bound.args, **bound.kwargs)
+    _decoder_inputs_from_labels(model, bound, labels)
     if "labels" in bound.arguments:
         bound.arguments["labels"] = None
     var_kw = next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
@@ -606,15 +634,29 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     out, hidden = _run_without_logits(model, bound)
     if fused_head:
         aux = None if isinstance(out, tuple) else out.get("aux_loss")
-        return fused_lm_head_output(model, hidden, labels, output_head(model), options, aux)
+        if (
+            getattr(model, "kernels_shift_labels", True) == "items"
+            and options["shift_labels"] is None
+        ):
+            options["shift_labels"] = labels  # a masked-LM loss: the labels are not shifted
+        given = options["shift_labels"]
+        rows = label_positions(model, hidden, labels if given is None else given)
+        return fused_lm_head_output(model, rows, labels, output_head(model), options, aux)
     softcap = logit_softcap(model)
     scale = logit_scale(model)
     head = output_head(model)
-    if not getattr(model, "kernels_shift_labels", True):
+    shift = getattr(model, "kernels_shift_labels", True)
+    if shift == "items":
+        # transformers' masked-LM loss (an encoder-decoder's decoder): the labels as they are,
+        # ignore_index and num_items_in_batch as the causal loss takes them
+        extra = {**extra, "shift_labels": labels}
+    elif not shift:
         # nn.CrossEntropyLoss over labels the caller shifted (BART-style decoders): mean over
         # the non-ignored tokens, no num_items_in_batch
         extra = {"shift_labels": labels}
-    loss = fused_causal_lm_loss(model, hidden, labels, softcap, extra, scale, head)
+    given = extra.get("shift_labels")
+    rows = label_positions(model, hidden, labels if given is None else given)
+    loss = fused_causal_lm_loss(model, rows, labels, softcap, extra, scale, head)
     aux_spec = getattr(model, "kernels_aux_loss", None)
     aux = None if isinstance(out, tuple) else out.get("aux_loss")
     if aux_spec is not None and aux is not None:
