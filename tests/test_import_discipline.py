@@ -30,6 +30,11 @@ COLD_ONLY = (
     "kernels.cache.reports",  # `kernels du` / `kernels prune`
     "packaging.version",  # kernels-minver in metadata.json
     "secrets",  # a staging folder, for a write to the cache
+    "kernels.diskspace",  # a download (free space) or a full disk
+    "kernels.exposure",  # refusing a path others can write (the check itself is in the cache)
+    "kernels.safe_text",  # printing a notice or a CLI line
+    "kernels.signatures",  # a signature policy other than off
+    "kernels.bundled",  # the one-line switch's fallback when the repo is not served
 )
 
 # Prints the modules the warm load added to those `import torch` had already brought in (so a
