@@ -14,7 +14,8 @@ as trusted publishers is the builder's decision (`trusted_publishers=`), never S
 Space: each file is checked against the staging disk before it is copied there, and the blobs
 DEST lacks against DEST's disk before DEST is touched (InsufficientSpace). A disk that fills up
 anyway is InsufficientSpace too: every repo's objects are written before any branch moves, and
-the folders the build created are removed, so DEST serves what it served before.
+the folders the build created are removed. Branches then move one at a time (`git update-ref`),
+so a disk that fills during those moves can leave the repos moved so far at their new commits.
 """
 
 from __future__ import annotations

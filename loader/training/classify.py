@@ -265,15 +265,38 @@ def named_gated_verdict(
     return Verdict(
         "mlp",
         layer,
-        condition=_no_active_dropout,
+        condition=_serves_named_gated,
         attributes=((MLP_PROJECTIONS, order), (MLP_ACTIVATION, kind)),
     )
 
 
-def _no_active_dropout(module: nn.Module) -> bool:
-    """An instance whose config turned dropout on keeps its forward (the class may differ
-    per instance: T5's dropout_rate)."""
-    return not any(isinstance(m, nn.Dropout) and m.p > 0 for m in module._modules.values())
+def _serves_named_gated(module: nn.Module) -> bool:
+    """Per instance, when it is bound: not one whose config turned dropout on (T5's
+    dropout_rate), nor one whose projections differ in dtype (T5 keeps ``wo`` in fp32 under an
+    fp16 load, and its own forward casts to it; the fused layer would not), and its activation
+    is the one its class was marked with (``_pins_activation``)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in module._modules.values()):
+        return False
+    names = getattr(module, MLP_PROJECTIONS, ())
+    if len({module._modules[n].weight.dtype for n in names if n in module._modules}) > 1:
+        return False
+    return _pins_activation(module)
+
+
+def _pins_activation(module: nn.Module) -> bool:
+    """The layers read the activation from ``kernels_mlp_activation``, set on the class for the
+    whole process; a second model of the same class with another activation would change the
+    first one's. So an instance is bound only when its own activation module (where it has one)
+    computes the marked kind, and that kind is then pinned on the instance."""
+    kind = getattr(module, MLP_ACTIVATION, None)  # the instance's pin, else the class's mark
+    act = probes.activation_of(module)
+    if kind is not None and act is not None:
+        own = multimodal.gelu_kind(act) or ("silu" if probes.computes_silu(act) else None)
+        if own != kind:
+            return False
+    if kind is not None:
+        module.__dict__[MLP_ACTIVATION] = kind
+    return True
 
 
 # The class attributes ReLUSquaredMLP, GELUMLP and the gated layers (for other child names)
@@ -322,7 +345,8 @@ def plain_mlp_verdict(
     missing = available(layer)
     if missing:
         return Verdict("mlp", None, missing)
-    return Verdict("mlp", layer, attributes=((MLP_PROJECTIONS, order), *extra))
+    condition = _pins_activation if extra else None
+    return Verdict("mlp", layer, condition=condition, attributes=((MLP_PROJECTIONS, order), *extra))
 
 
 def rotary_embedding_verdict(

@@ -258,6 +258,20 @@ def _probe_shell(module: nn.Module) -> nn.Module:
     return probe
 
 
+def computes_silu(act: nn.Module) -> bool:
+    """Whether a parameter-free module computes silu(x) = x * sigmoid(x), whatever its class is
+    called (the gated layers' "silu" kind)."""
+    if act._parameters or act._buffers or act._modules:
+        return False
+    x = torch.linspace(-5.0, 5.0, 101)
+    try:
+        with torch.no_grad():
+            out = _unhooked(act)(x)
+    except Exception:  # noqa: BLE001 - not a one-tensor elementwise module
+        return False
+    return isinstance(out, torch.Tensor) and _close(out, F.silu(x), _FP32_RTOL)
+
+
 def computes_relu_squared(act: nn.Module) -> bool:
     """Whether a parameter-free module computes relu(x)^2 (transformers' ReLUSquaredActivation,
     Primer's squared ReLU), whatever its class is called: run on values of both signs and 0."""

@@ -349,3 +349,36 @@ def test_a_loss_on_the_text_positions_binds_on_the_last_positions_only():
     skipping = _head(SkippingCaptioner())
     assert skipping.layer is None
     assert skipping.reason == "computes its loss on `shifted_logits`, not on the logits of its head"
+
+
+def _mark(verdict, module) -> None:
+    """What Plan.mark does to the class for a served verdict (its attributes, process-wide)."""
+    for name, value in verdict.attributes:
+        setattr(type(module), name, value)
+
+
+def test_a_second_model_of_the_class_with_another_activation_changes_neither():
+    """The activation is marked on the class; each instance is pinned to its own when bound,
+    and one met after the class was marked with another keeps its forward."""
+    cls = type("PinnedGated", (NamedGated,), {})
+    tanh_one, erf_one = cls(act=nn.GELU(approximate="tanh")), cls(act=nn.GELU())
+    for module in (tanh_one, erf_one):
+        verdict = _verdict(module)
+        _mark(verdict, module)
+        assert verdict.condition(module)
+    assert tanh_one.kernels_mlp_activation == "gelu_tanh"
+    assert erf_one.kernels_mlp_activation == "gelu"
+    assert cls.kernels_mlp_activation == "gelu"
+    assert not verdict.condition(cls(act=nn.GELU(approximate="tanh")))
+
+
+def test_a_gated_mlp_whose_down_projection_is_kept_in_another_dtype_keeps_its_forward():
+    """T5 keeps ``wo`` in fp32 under an fp16 load, and its forward casts to it: the fused
+    layer would not."""
+    module = type("MixedGated", (NamedGated,), {})()
+    verdict = _verdict(module)
+    _mark(verdict, module)
+    assert verdict.condition(module)
+    module.right.half()
+    module.left.half()
+    assert not verdict.condition(module)

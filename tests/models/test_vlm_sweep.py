@@ -205,3 +205,21 @@ def test_bound_heads_give_the_models_own_loss_and_gradients(mirror, model_type):
             # for rounding (a key projection's bias under softmax)
             limit = 1e-4 * g.abs().max() + 1e-9
             assert (got_grads[name] - g).abs().max() <= limit, (sorted(extra), name)
+
+
+def test_a_masked_lm_head_under_fused_lm_head_ignores_a_callers_shift_labels(mirror):
+    """T5Gemma 2's loss (transformers' masked-LM loss) takes the labels as they are and ignores
+    a caller's ``shift_labels``; TRL's ``fused_lm_head=True`` call must give that same loss."""
+    import copy
+
+    from .vlm_registry import vlm_batches
+
+    plain = build_vlm("t5gemma2").train()
+    ours = copy.deepcopy(plain)
+    kernels.apply_training_kernels(ours)
+    batch = vlm_batches(plain, "cpu", steps=1)[0]
+    labels = batch["labels"]
+    other = labels.roll(-1, dims=1)  # a caller's targets the model's own loss never reads
+    want = plain(**batch).loss
+    got = ours(**batch, shift_labels=other, fused_lm_head=True).loss
+    assert torch.allclose(got, want, rtol=1e-5, atol=0), (got, want)

@@ -634,11 +634,10 @@ def any_causal_lm_forward(model: nn.Module, args: tuple, kwargs: dict):
     out, hidden = _run_without_logits(model, bound)
     if fused_head:
         aux = None if isinstance(out, tuple) else out.get("aux_loss")
-        if (
-            getattr(model, "kernels_shift_labels", True) == "items"
-            and options["shift_labels"] is None
-        ):
-            options["shift_labels"] = labels  # a masked-LM loss: the labels are not shifted
+        if getattr(model, "kernels_shift_labels", True) == "items":
+            # a masked-LM loss: the labels as they are; the model's own loss ignores a caller's
+            # shift_labels, and so does this one
+            options["shift_labels"] = labels
         given = options["shift_labels"]
         rows = label_positions(model, hidden, labels if given is None else given)
         return fused_lm_head_output(model, rows, labels, output_head(model), options, aux)
