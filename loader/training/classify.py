@@ -399,6 +399,8 @@ _HEAD_LINE_OK = re.compile(
     r"|\w+ = \w+ ?[*/] ?final_logit_softcapping"  # a local read from the (text) config
     r'|final_logit_softcapping = getattr\(self\.config\.get_text_config\(\), "final_logit_softcapping", None\)'
     r"|if final_logit_softcapping is not None:"
+    # the last hidden states collected (Pix2Struct's decoder), the logits not touched
+    r"|if output_hidden_states:|all_hidden_states = all_hidden_states \+ \(hidden_states,\)"
     r")\s*$"
 )
 
@@ -484,6 +486,48 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         (DECODER_INPUTS, decoder_inputs),
     )
     return Verdict("loss", layer, attributes=attributes)
+
+
+# `decoder_outputs = self.decoder(..., labels=labels, ...)` and `loss=decoder_outputs.loss`
+_CHILD_CALL = re.compile(r"^\s*(\w+) = self\.(\w+)\(\s*$")
+
+
+def _loss_child(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, child) of the direct child whose loss the model's forward returns as it is: it
+    passes the labels to that child's one call (``labels=labels``), returns ``loss=<out>.loss``
+    and computes no loss of its own; None otherwise."""
+    try:
+        source = inspect.getsource(inspect.unwrap(type(model).forward))
+    except (OSError, TypeError):
+        return None
+    source = "\n".join(_body_before(source, "\0"))  # the statements: no docstring
+    if "loss_fct" in source or "self.loss_function" in source or "loss =" in source:
+        return None
+    lines = source.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        call = _CHILD_CALL.match(line)
+        if call is None:
+            continue
+        out, name = call.groups()
+        args = []
+        for arg in lines[i + 1 :]:
+            if arg.strip() == ")":
+                break
+            args.append(arg.strip())
+        if "labels=labels," in args and f"self.{name}(" in source:
+            found.append((out, name))
+    if len(found) != 1:
+        return None
+    out, name = found[0]
+    child = model._modules.get(name)
+    if child is None or source.count(f"self.{name}(") != 1:
+        return None
+    if len(re.findall(r"\bloss=([\w.]+)", source)) != source.count("loss=") or not all(
+        used == f"{out}.loss" for used in re.findall(r"\bloss=([\w.]+)", source)
+    ):
+        return None
+    return name, child
 
 
 def _output_head_path(model: nn.Module) -> str | None:
@@ -602,8 +646,9 @@ SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as the
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
 _AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")
 _PLAIN_CE = re.compile(
-    r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
-    r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
+    r'loss_fct = (nn\.)?CrossEntropyLoss\((ignore_index=-100(, reduction="mean")?)?\)[^\n]*\n'
+    r"\s*\w+ = loss_fct\(\w+(\.contiguous\(\))?\.view\(-1, (self\.config\.vocab_size|\w+\.size\(-1\))\), "
+    r"labels(\.contiguous\(\))?\.view\(-1\)\)"
 )
 # Gemma 4's multimodal head binds the soft-cap to a local, read from its (text) config
 _SOFTCAP_USE = re.compile(r"[*/] ?final_logit_softcapping")
@@ -838,6 +883,14 @@ def classify(
         verdict: Verdict | None = None
         if module is model:
             verdict = head_verdict(model, available)
+            inner = None if verdict.layer else _loss_child(model)
+            if inner is not None:
+                # the loss is the child's (Pix2Struct's decoder): its head binds, the model's
+                # forward runs as it is and returns the child's loss
+                name, child = inner
+                plan.classes[type(child)] = head_verdict(child, available)
+                seen.add(type(child))
+                verdict = Verdict("loss", None, f"returns the loss self.{name} computes")
         elif (v := experts_verdict(module, available, experts_check)) is not None:
             verdict = v
         elif (v := attention_verdict(module, available)) is not None:
