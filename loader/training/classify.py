@@ -416,8 +416,13 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     head = model.get_submodule(head_path)
     # the fused loss reads the head's weight/bias: a head with its own forward (a per-token
     # scale, a LoRA wrapper, a quantized matmul) must run it
+    linear_head = isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward
     if not (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward):
-        return Verdict("loss", None, f"{head_path} is not a plain nn.Linear")
+        # a Linear subclass whose forward computes the Linear and nothing more (Idefics'
+        # decoupled head without extra vocabulary rows) binds: the loss layers read its
+        # weight and bias as a plain Linear's
+        if not (linear_head and probes.computes_linear(head)):
+            return Verdict("loss", None, f"{head_path} is not a plain nn.Linear")
     forward = inspect.unwrap(cls.forward)
     try:
         source = inspect.getsource(forward)
@@ -484,6 +489,7 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         (AUX_LOSS, aux_spec),
         (LABEL_POSITIONS, last_positions),
         (DECODER_INPUTS, decoder_inputs),
+        *(((LINEAR_HEAD, True),) if linear_head else ()),
     )
     return Verdict("loss", layer, attributes=attributes)
 
@@ -642,6 +648,8 @@ OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm
 LABEL_POSITIONS = "kernels_label_positions"
 # the method making an encoder-decoder's decoder inputs from the labels, when none are given
 DECODER_INPUTS = "kernels_decoder_inputs"
+# True: the head is a Linear subclass the probe found computing F.linear(x, weight, bias)
+LINEAR_HEAD = "kernels_linear_head"
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
 _AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")

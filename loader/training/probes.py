@@ -575,3 +575,29 @@ def probe_gated_mlp(module: nn.Module, order: tuple[str, str, str]) -> str | Non
             if _close(out, probe._modules[down](fn(g) * u), _FP32_RTOL):
                 return kind
     return None
+
+
+# -- heads ------------------------------------------------------------------------------------
+
+
+def computes_linear(head: nn.Module) -> bool:
+    """Whether an ``nn.Linear`` subclass with a forward of its own computes
+    ``F.linear(x, weight, bias)`` and nothing more (Idefics' decoupled head without extra
+    vocabulary rows), on random inputs with its own weights (random ones for meta weights)."""
+    if not isinstance(head, nn.Linear):
+        return False
+    probe = _materialized(head, 0) if head.weight.is_meta else head
+    weight = probe.weight
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, probe.in_features, generator=gen).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        try:
+            out = type(probe).forward(probe, x)
+        except Exception:  # noqa: BLE001 - a forward that cannot run here is not a Linear's
+            return False
+        want = F.linear(x, weight, probe.bias)
+    return (
+        isinstance(out, torch.Tensor)
+        and out.shape == want.shape
+        and torch.allclose(out.float(), want.float(), rtol=1e-5, atol=1e-6)
+    )
