@@ -310,7 +310,8 @@ def plain_mlp_verdict(
     first, second = projections
     if probes.computes_relu_squared(act):
         layer, want, extra = "ReLUSquaredMLP", f"{second}(relu({first}(x))^2)", ()
-    elif (kind := multimodal.gelu_kind(act)) is not None:
+    elif (kind := multimodal.gelu_kind(act)) is not None or probes.computes_relu(act):
+        kind = kind or "relu"  # T5's and UDOP's wi -> relu -> wo: the same kernel, another act
         layer, want, extra = "GELUMLP", f"{second}({kind}({first}(x)))", ((MLP_ACTIVATION, kind),)
     else:
         return None
@@ -319,10 +320,19 @@ def plain_mlp_verdict(
     order = next((o for o in orders if probes.probe_plain_mlp(module, *o)), None)
     if order is None:
         return Verdict("mlp", None, f"does not compute {want}")
+    dropout = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropout:
+        # the fused layer has no dropout: binding it would train another model
+        return Verdict("mlp", None, f"applies dropout ({dropout[0]}) the fused layer does not")
     missing = available(layer)
     if missing:
         return Verdict("mlp", None, missing)
-    return Verdict("mlp", layer, attributes=((MLP_PROJECTIONS, order), *extra))
+    return Verdict(
+        "mlp",
+        layer,
+        condition=_no_active_dropout,
+        attributes=((MLP_PROJECTIONS, order), *extra),
+    )
 
 
 def rotary_embedding_verdict(
@@ -583,7 +593,8 @@ def _config_aliases(model: nn.Module, source: str) -> str:
 # An encoder-decoder's forward that makes its decoder inputs from the labels exactly when the
 # caller gave none: the method it calls (T5Gemma 2's prepare_decoder_input_ids_from_labels)
 _DECODER_INPUTS = re.compile(
-    r"^\s*if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:"
+    r"^\s*if (labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None"
+    r"|decoder_input_ids is None and labels is not None):"
     r"\s*\n(?:\s*#[^\n]*\n)*\s*decoder_input_ids = self\.(\w+)\(labels\)\s*\n",
     re.M,
 )
@@ -591,7 +602,7 @@ _DECODER_INPUTS = re.compile(
 
 def _decoder_inputs_maker(source: str) -> str | None:
     found = _DECODER_INPUTS.search(source)
-    return found.group(1) if found else None
+    return found.group(2) if found else None
 
 
 def _inner_head_path(model: nn.Module) -> str | None:

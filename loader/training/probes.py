@@ -273,6 +273,21 @@ def computes_relu_squared(act: nn.Module) -> bool:
     return isinstance(out, torch.Tensor) and _close(out, torch.relu(x) ** 2, _FP32_RTOL)
 
 
+def computes_relu(act: nn.Module) -> bool:
+    """Whether a parameter-free module computes relu(x) (nn.ReLU, T5's "relu"), whatever its
+    class is called: run on values of both signs and 0."""
+    if act._parameters or act._buffers or act._modules:
+        return False
+    probe = _unhooked(act)
+    x = torch.linspace(-3.0, 3.0, 61)
+    try:
+        with torch.no_grad():
+            out = probe(x)
+    except Exception:  # noqa: BLE001 - not a one-tensor elementwise module
+        return False
+    return isinstance(out, torch.Tensor) and _close(out, torch.relu(x), _FP32_RTOL)
+
+
 def probe_plain_mlp(module: nn.Module, first: str, second: str) -> bool:
     """Whether the MLP computes second(act(first(x))) with its own activation: probed through a
     shallow copy whose two projections are small random Linears (as probe_mlp does)."""

@@ -57,7 +57,7 @@ class GELUMLP(nn.Module):
     """Non-gated MLP ``fc2(gelu(fc1(x)))`` (biases or not): keeps fc1(x) alone for the backward
     (gelu_mlp.py); with hooks or other Linear modules, the projections run as modules around the
     activation kernel. The projections are the (in, out) child names ``kernels_mlp_projections``
-    gives, the activation ``kernels_mlp_activation`` ("gelu", "gelu_tanh" or "quick_gelu")."""
+    gives, the activation ``kernels_mlp_activation`` ("gelu", "gelu_tanh", "quick_gelu" or "relu")."""
 
     has_backward = True
     can_torch_compile = True
