@@ -315,15 +315,15 @@ def plain_mlp_verdict(
         layer, want, extra = "GELUMLP", f"{second}({kind}({first}(x)))", ((MLP_ACTIVATION, kind),)
     else:
         return None
+    dropout = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropout:
+        # the fused layer has no dropout: binding it would train another model
+        return Verdict("mlp", None, f"applies dropout ({dropout[0]}) the fused layer does not")
     # registration order is usually the forward's; a module may declare the output one first
     orders = (projections, projections[::-1]) if probes.one_tensor_forward(type(module)) else ()
     order = next((o for o in orders if probes.probe_plain_mlp(module, *o)), None)
     if order is None:
         return Verdict("mlp", None, f"does not compute {want}")
-    dropout = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
-    if dropout:
-        # the fused layer has no dropout: binding it would train another model
-        return Verdict("mlp", None, f"applies dropout ({dropout[0]}) the fused layer does not")
     missing = available(layer)
     if missing:
         return Verdict("mlp", None, missing)
@@ -539,9 +539,9 @@ def _loss_child(model: nn.Module) -> tuple[str, nn.Module] | None:
     child = model._modules.get(name)
     if child is None or source.count(f"self.{name}(") != 1:
         return None
-    if len(re.findall(r"\bloss=([\w.]+)", source)) != source.count("loss=") or not all(
-        used == f"{out}.loss" for used in re.findall(r"\bloss=([\w.]+)", source)
-    ):
+    # every `loss=` hands on the child's loss as it is (nothing scaled or added)
+    returned = re.findall(r"\bloss=([^,)\n]*)", source)
+    if not returned or any(used.strip() != f"{out}.loss" for used in returned):
         return None
     return name, child
 

@@ -1,4 +1,4 @@
-"""The vision towers' non-gated GELU MLP (gelu_mlp.py, layers.GELUMLP) and its activations on the
+"""The vision towers' non-gated GELU (or ReLU) MLP (gelu_mlp.py, layers.GELUMLP) and its activations on the
 Triton interpreter, against float64 references; what it keeps for the backward, next to the
 composed modules; and transformers' own vision MLPs."""
 
@@ -13,7 +13,7 @@ from _live_bytes import saved_bytes
 from _training_refs import DTYPES, assert_close, leaf64
 from torch import nn
 
-ACTS = ["gelu", "gelu_tanh", "quick_gelu"]
+ACTS = ["gelu", "gelu_tanh", "quick_gelu", "relu"]
 
 
 def act64(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -21,6 +21,8 @@ def act64(x: torch.Tensor, act: str) -> torch.Tensor:
         return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
     if act == "gelu_tanh":
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    if act == "relu":
+        return torch.relu(x)
     return x * torch.sigmoid(1.702 * x)
 
 

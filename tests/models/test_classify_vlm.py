@@ -349,3 +349,134 @@ def test_a_loss_on_the_text_positions_binds_on_the_last_positions_only():
     skipping = _head(SkippingCaptioner())
     assert skipping.layer is None
     assert skipping.reason == "computes its loss on `shifted_logits`, not on the logits of its head"
+
+
+# -- ReLU MLPs, heads that are Linear subclasses, a loss a child computes ------------------------
+
+
+def test_a_relu_mlp_binds_gelumlp_with_relu_and_keeps_its_forward_with_dropout():
+    verdict = _verdict(type("ReluTowerMLP", (TowerMLP,), {})(nn.ReLU()))
+    assert verdict.layer == "GELUMLP", verdict
+    assert dict(verdict.attributes)["kernels_mlp_activation"] == "relu"
+
+    class DroppingMLP(TowerMLP):
+        def __init__(self, act, p):
+            super().__init__(act)
+            self.dropout = nn.Dropout(p)
+
+        def forward(self, hidden_states):
+            h = self.dropout(self.activation_fn(self.fc_in(hidden_states)))
+            return self.fc_out(h)
+
+    dropping = _verdict(DroppingMLP(nn.ReLU(), 0.1))
+    assert dropping.layer is None
+    assert dropping.reason == "applies dropout (dropout) the fused layer does not"
+    # a class whose dropout is off binds, and an instance of it with dropout on keeps its forward
+    off = DroppingMLP(nn.GELU(), 0.0)
+    bound = _verdict(off)
+    assert bound.layer == "GELUMLP" and bound.condition(off)
+    assert not bound.condition(DroppingMLP(nn.GELU(), 0.1))
+
+
+class ExtraRowsHead(nn.Linear):
+    """A Linear subclass with a forward of its own: extra vocabulary rows from a child Linear
+    appended when it has them (Idefics' decoupled head), the Linear alone otherwise."""
+
+    def __init__(self, extra: int):
+        super().__init__(8, 16, bias=False)
+        self.extra = extra
+        if extra:
+            self.additional = nn.Linear(8, extra, bias=False)
+
+    def forward(self, input):
+        out = torch.nn.functional.linear(input, self.weight, self.bias)
+        if self.extra:
+            out = torch.cat((out, self.additional(input)), -1)
+        return out
+
+
+def _lm_with_head(extra: int) -> nn.Module:
+    cls = type(f"ExtraRowsLM{extra}", (DecoderWithLoss,), {})
+    model = cls()
+    model.lm_head = ExtraRowsHead(extra)
+    return model
+
+
+def test_a_linear_subclass_head_binds_only_where_it_computes_the_linear():
+    verdict = _head(_lm_with_head(0))
+    assert verdict.layer == "CausalLMHead", verdict
+    assert dict(verdict.attributes)["kernels_linear_head"] is True
+    extra = _head(_lm_with_head(4))
+    assert extra.layer is None and extra.reason == "lm_head is not a plain nn.Linear"
+    # a plain Linear head does not carry the attribute
+    plain = _head(DecoderWithLoss())
+    assert plain.layer == "CausalLMHead" and "kernels_linear_head" not in dict(plain.attributes)
+
+
+class DecoderWithLoss(nn.Module):
+    """A decoder computing a plain cross-entropy on the labels as they come (Pix2Struct's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        hidden_states = self.body(inputs_embeds)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            # fmt: off
+            loss_fct = nn.CrossEntropyLoss(ignore_index=-100, reduction="mean")
+            loss = loss_fct(logits.contiguous().view(-1, logits.size(-1)), labels.contiguous().view(-1))  # noqa: E501
+            # fmt: on
+        return {"loss": loss, "logits": logits}
+
+
+class Seq2Seq(nn.Module):
+    """Passes the labels to its decoder and returns the decoder's loss as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = DecoderWithLoss()
+
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        decoder_outputs = self.decoder(
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+        )
+        return {"loss": decoder_outputs["loss"], "logits": decoder_outputs["logits"]}
+
+
+class ReturningSeq2Seq(Seq2Seq):
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        decoder_outputs = self.decoder(
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+        )
+        return dict(loss=decoder_outputs.loss, logits=decoder_outputs.logits)
+
+
+class ScalingSeq2Seq(Seq2Seq):
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        decoder_outputs = self.decoder(
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+        )
+        return dict(loss=decoder_outputs.loss * 2, logits=decoder_outputs.logits)
+
+
+def test_a_loss_the_decoder_computes_binds_on_the_decoder():
+    plan = classify(ReturningSeq2Seq()).classes
+    decoder = plan[DecoderWithLoss]
+    assert decoder.layer == "CausalLMHead", decoder
+    assert dict(decoder.attributes)["kernels_shift_labels"] is False  # the labels as they come
+    top = plan[ReturningSeq2Seq]
+    assert top.layer is None and top.reason == "returns the loss self.decoder computes"
+    # a model that does anything to the child's loss keeps its forward, and so does the child
+    scaled = classify(ScalingSeq2Seq()).classes
+    assert scaled[ScalingSeq2Seq].layer is None
+    assert DecoderWithLoss not in scaled or scaled[DecoderWithLoss].layer is None
