@@ -273,7 +273,19 @@ def named_gated_verdict(
 def _no_active_dropout(module: nn.Module) -> bool:
     """An instance whose config turned dropout on keeps its forward (the class may differ
     per instance: T5's dropout_rate)."""
-    return not any(isinstance(m, nn.Dropout) and m.p > 0 for m in module._modules.values())
+    return not _active_dropout(module)
+
+
+def _active_dropout(module: nn.Module) -> str | None:
+    """The name of a dropout with p > 0 the module applies: an nn.Dropout child, or a float
+    attribute named for dropout that its forward hands to F.dropout (Kosmos-2.5's FFN)."""
+    for name, m in module._modules.items():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return name
+    for name, value in vars(module).items():
+        if "dropout" in name and isinstance(value, float) and value > 0:
+            return name
+    return None
 
 
 # The class attributes ReLUSquaredMLP, GELUMLP and the gated layers (for other child names)
@@ -315,15 +327,22 @@ def plain_mlp_verdict(
         layer, want, extra = "GELUMLP", f"{second}({kind}({first}(x)))", ((MLP_ACTIVATION, kind),)
     else:
         return None
-    dropout = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
+    dropout = _active_dropout(module)
     if dropout:
         # the fused layer has no dropout: binding it would train another model
-        return Verdict("mlp", None, f"applies dropout ({dropout[0]}) the fused layer does not")
+        return Verdict("mlp", None, f"applies dropout ({dropout}) the fused layer does not")
+    # a norm between the projections (Kosmos-2.5's text FFN): GELUNormMLP runs it as it is
+    norms = [n for n, m in module._modules.items() if is_norm(m)]
+    norm = norms[0] if len(norms) == 1 and layer == "GELUMLP" else None
+    if norm is not None:
+        layer, want = "GELUNormMLP", f"{second}({norm}({kind}({first}(x))))"
     # registration order is usually the forward's; a module may declare the output one first
     orders = (projections, projections[::-1]) if probes.one_tensor_forward(type(module)) else ()
-    order = next((o for o in orders if probes.probe_plain_mlp(module, *o)), None)
+    order = next((o for o in orders if probes.probe_plain_mlp(module, *o, norm)), None)
     if order is None:
         return Verdict("mlp", None, f"does not compute {want}")
+    if norm is not None:
+        order = (order[0], norm, order[1])
     missing = available(layer)
     if missing:
         return Verdict("mlp", None, missing)
@@ -505,7 +524,7 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
 
 
 # `decoder_outputs = self.decoder(..., labels=labels, ...)` and `loss=decoder_outputs.loss`
-_CHILD_CALL = re.compile(r"^\s*(\w+) = self\.(\w+)\(\s*$")
+_CHILD_CALL = re.compile(r"^\s*(\w+)(?:: [\w.]+)? = self\.(\w+)\(\s*$")  # an annotation allowed
 
 
 def _loss_child(model: nn.Module) -> tuple[str, nn.Module] | None:

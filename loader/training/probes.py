@@ -288,14 +288,26 @@ def computes_relu(act: nn.Module) -> bool:
     return isinstance(out, torch.Tensor) and _close(out, torch.relu(x), _FP32_RTOL)
 
 
-def probe_plain_mlp(module: nn.Module, first: str, second: str) -> bool:
-    """Whether the MLP computes second(act(first(x))) with its own activation: probed through a
-    shallow copy whose two projections are small random Linears (as probe_mlp does)."""
+class _Marker(nn.Module):
+    """Stands in for a norm between the projections: an affine map no activation computes, so
+    the probe sees where the forward calls it."""
+
+    def forward(self, x):
+        return x * 1.5 + 0.25
+
+
+def probe_plain_mlp(module: nn.Module, first: str, second: str, norm: str | None = None) -> bool:
+    """Whether the MLP computes second(act(first(x))) with its own activation, or with ``norm``
+    second(norm(act(first(x)))): probed through a shallow copy whose two projections are small
+    random Linears (as probe_mlp does) and whose norm is a marker map."""
     hidden, inner = 8, 12
     gen = torch.Generator().manual_seed(5)
     probe = _probe_shell(module)
     probe._modules[first] = _small_linear(module._modules[first], hidden, inner, gen)
     probe._modules[second] = _small_linear(module._modules[second], inner, hidden, gen)
+    between = _Marker() if norm else nn.Identity()
+    if norm:
+        probe._modules[norm] = between
     for name in ACT_ATTRS:
         if isinstance(probe._modules.get(name), nn.Module):
             probe._modules[name] = _unhooked(probe._modules[name])
@@ -304,7 +316,7 @@ def probe_plain_mlp(module: nn.Module, first: str, second: str) -> bool:
     try:
         with torch.no_grad():
             out = probe(x)
-            want = probe._modules[second](act(probe._modules[first](x)))
+            want = probe._modules[second](between(act(probe._modules[first](x))))
     except Exception:  # noqa: BLE001 - a forward that needs more than x is not one of ours
         return False
     return _close(out if isinstance(out, torch.Tensor) else out[0], want, _FP32_RTOL)

@@ -188,3 +188,34 @@ def test_layer_class_takes_the_forward_it_replaces(kt):
     for replaced in (CLIPMLP.forward, VisionMlp.forward):
         theirs = [p.kind for p in list(inspect.signature(replaced).parameters.values())[1:]]
         assert ours == theirs, replaced
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+def test_normed_mlp_values_and_every_gradient(kt, act, dtype):
+    """GELUNormMLP: out(norm(act(in(x)))) with a LayerNorm between the projections (Kosmos-2.5's
+    text FFN), names given by the probe's attributes; every gradient against float64."""
+    m = nn.Module()
+    m.w_in = nn.Linear(32, 80, dtype=dtype)
+    m.mid = nn.LayerNorm(80, dtype=dtype)
+    m.w_out = nn.Linear(80, 32, dtype=dtype)
+    with torch.no_grad():  # a norm that is not the identity at init
+        m.mid.weight.uniform_(0.5, 1.5)
+        m.mid.bias.uniform_(-0.5, 0.5)
+    m.kernels_mlp_projections = ("w_in", "mid", "w_out")
+    m.kernels_mlp_activation = act
+    x = torch.randn(2, 7, 32, dtype=dtype, requires_grad=True)
+    out = types.MethodType(kt.layers.GELUNormMLP.forward, m)(x)
+    x64 = leaf64(x)
+    p64 = {n: leaf64(p) for n, p in m.named_parameters()}
+    u = act64(x64 @ p64["w_in.weight"].t() + p64["w_in.bias"], act)
+    n = torch.nn.functional.layer_norm(u, (80,), p64["mid.weight"], p64["mid.bias"], m.mid.eps)
+    ref = n @ p64["w_out.weight"].t() + p64["w_out.bias"]
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, "output")
+    assert_close(x.grad, x64.grad, dtype, "d x")
+    for name, p in m.named_parameters():
+        assert_close(p.grad, p64[name].grad, dtype, f"d {name}")
