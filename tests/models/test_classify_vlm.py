@@ -480,3 +480,41 @@ def test_a_loss_the_decoder_computes_binds_on_the_decoder():
     scaled = classify(ScalingSeq2Seq()).classes
     assert scaled[ScalingSeq2Seq].layer is None
     assert DecoderWithLoss not in scaled or scaled[DecoderWithLoss].layer is None
+
+
+class NormedFFN(nn.Module):
+    """fc_in -> gelu -> F.dropout(p) -> norm -> fc_out (Kosmos-2.5's text FFN), or with the norm
+    before the activation (``norm_first``), where the layer would compute something else."""
+
+    def __init__(self, p=0.0, norm_first=False):
+        super().__init__()
+        self.fc_in = nn.Linear(32, 96)
+        self.fc_out = nn.Linear(96, 32)
+        self.inner_norm = nn.LayerNorm(96)
+        self.activation_fn = nn.GELU()
+        self.activation_dropout = p
+        self.norm_first = norm_first
+
+    def forward(self, hidden_states):
+        h = self.fc_in(hidden_states)
+        if self.norm_first:
+            h = self.activation_fn(self.inner_norm(h))
+        else:
+            h = self.inner_norm(self.activation_fn(h))
+        h = torch.nn.functional.dropout(h, p=self.activation_dropout, training=self.training)
+        return self.fc_out(h)
+
+
+def test_an_mlp_with_a_norm_between_its_projections_binds_gelunormmlp():
+    verdict = _verdict(NormedFFN())
+    assert verdict.layer == "GELUNormMLP", verdict
+    attrs = dict(verdict.attributes)
+    assert attrs["kernels_mlp_projections"] == ("fc_in", "inner_norm", "fc_out")
+    assert attrs["kernels_mlp_activation"] == "gelu"
+    assert not verdict.condition(NormedFFN(p=0.1))  # an instance with dropout keeps its forward
+    first = _verdict(type("NormFirstFFN", (NormedFFN,), {})(norm_first=True))
+    assert first.layer is None
+    assert first.reason == "does not compute fc_out(inner_norm(gelu(fc_in(x))))"
+    dropping = _verdict(type("DroppingFFN", (NormedFFN,), {})(p=0.1))
+    assert dropping.layer is None
+    assert dropping.reason == "applies dropout (activation_dropout) the fused layer does not"

@@ -160,6 +160,7 @@ def test_multimodal_heads_bind_with_what_they_do_to_their_logits(mirror, model_t
 LOSS_RULES = {
     "git": "drops its image positions; takes a caller's shift_labels against the text positions",
     "idefics": "a Linear subclass for a head (probed to compute the Linear), labels shifted",
+    "kosmos-2.5": "its text model computes the causal loss; the model returns it",
     "pix2struct": "its decoder computes a plain CE on the labels as they come; the model returns it",
     "udop": "decoder inputs from the labels when none are given; a plain CE on the labels",
     "nemotron_h_omni": "its language model's logits, labels shifted",
