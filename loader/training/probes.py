@@ -610,8 +610,13 @@ def probe_gated_mlp(module: nn.Module, order: tuple[str, str, str]) -> str | Non
 def computes_linear(head: nn.Module) -> bool:
     """Whether an ``nn.Linear`` subclass with a forward of its own computes
     ``F.linear(x, weight, bias)`` and nothing more (Idefics' decoupled head without extra
-    vocabulary rows), on random inputs with its own weights (random ones for meta weights)."""
+    vocabulary rows): no parameter or buffer but weight and bias, and the same output on random
+    inputs with its own weights (random ones for meta weights)."""
     if not isinstance(head, nn.Linear):
+        return False
+    # a parameter or buffer beyond weight and bias takes part (Dory's learned per-token logit
+    # scale, all ones at init, where the values alone would not show it)
+    if {n for n, _ in head.named_parameters()} - {"weight", "bias"} or any(head.buffers()):
         return False
     probe = _materialized(head, 0) if head.weight.is_meta else head
     weight = probe.weight

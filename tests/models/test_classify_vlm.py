@@ -395,6 +395,17 @@ class ExtraRowsHead(nn.Linear):
         return out
 
 
+class ScaledRowsHead(nn.Linear):
+    """A learned per-row logit scale, ones at init (Dory's head)."""
+
+    def __init__(self):
+        super().__init__(8, 16, bias=False)
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, input):
+        return super().forward(input) * self.scale
+
+
 def _lm_with_head(extra: int) -> nn.Module:
     cls = type(f"ExtraRowsLM{extra}", (DecoderWithLoss,), {})
     model = cls()
@@ -408,6 +419,11 @@ def test_a_linear_subclass_head_binds_only_where_it_computes_the_linear():
     assert dict(verdict.attributes)["kernels_linear_head"] is True
     extra = _head(_lm_with_head(4))
     assert extra.layer is None and extra.reason == "lm_head is not a plain nn.Linear"
+    # a parameter of its own that is all ones at init still takes part (Dory's logit scale)
+    scaled = type("ScaledHeadLM", (DecoderWithLoss,), {})()
+    scaled.lm_head = ScaledRowsHead()
+    verdict = _head(scaled)
+    assert verdict.layer is None and verdict.reason == "lm_head is not a plain nn.Linear"
     # a plain Linear head does not carry the attribute
     plain = _head(DecoderWithLoss())
     assert plain.layer == "CausalLMHead" and "kernels_linear_head" not in dict(plain.attributes)
