@@ -43,7 +43,7 @@ LIGER_JSON = ROOT / "tests" / "models" / "liger_vlm_patches.json"
 NORMS = sweep_models.NORMS
 HEADS = sweep_models.HEADS
 MLPS = {"SwiGLUMLP", "GeGLUMLP", "FusedSwiGLUMLP", "FusedGeGLUMLP", "ScaledSwiGLUMLP",
-        "ReLUSquaredMLP", "GELUMLP", "MoEExperts"}  # fmt: skip
+        "ReLUSquaredMLP", "GELUMLP", "GELUNormMLP", "MoEExperts"}  # fmt: skip
 
 
 def vlm_types() -> list[str]:

@@ -275,12 +275,18 @@ def _serves_named_gated(module: nn.Module) -> bool:
     dropout_rate), nor one whose projections differ in dtype (T5 keeps ``wo`` in fp32 under an
     fp16 load, and its own forward casts to it; the fused layer would not), and its activation
     is the one its class was marked with (``_pins_activation``)."""
-    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in module._modules.values()):
+    if _active_dropout(module):
         return False
     names = getattr(module, MLP_PROJECTIONS, ())
     if len({module._modules[n].weight.dtype for n in names if n in module._modules}) > 1:
         return False
     return _pins_activation(module)
+
+
+def _serves_plain(module: nn.Module) -> bool:
+    """Per instance, when it is bound: no active dropout (the class may differ per instance:
+    T5's dropout_rate), and its activation is the one its class was marked with."""
+    return not _active_dropout(module) and _pins_activation(module)
 
 
 def _pins_activation(module: nn.Module) -> bool:
@@ -290,13 +296,32 @@ def _pins_activation(module: nn.Module) -> bool:
     computes the marked kind, and that kind is then pinned on the instance."""
     kind = getattr(module, MLP_ACTIVATION, None)  # the instance's pin, else the class's mark
     act = probes.activation_of(module)
-    if kind is not None and act is not None:
-        own = multimodal.gelu_kind(act) or ("silu" if probes.computes_silu(act) else None)
-        if own != kind:
-            return False
+    if kind is not None and act is not None and _kind_of(act) != kind:
+        return False
     if kind is not None:
         module.__dict__[MLP_ACTIVATION] = kind
     return True
+
+
+def _kind_of(act: nn.Module) -> str | None:
+    """The kernels' name for what an activation module computes, told by running it."""
+    if kind := multimodal.gelu_kind(act):
+        return kind
+    if probes.computes_silu(act):
+        return "silu"
+    return "relu" if probes.computes_relu(act) else None
+
+
+def _active_dropout(module: nn.Module) -> str | None:
+    """The name of a dropout with p > 0 the module applies: an nn.Dropout child, or a float
+    attribute named for dropout that its forward hands to F.dropout (Kosmos-2.5's FFN)."""
+    for name, m in module._modules.items():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return name
+    for name, value in vars(module).items():
+        if "dropout" in name and isinstance(value, float) and value > 0:
+            return name
+    return None
 
 
 # The class attributes ReLUSquaredMLP, GELUMLP and the gated layers (for other child names)
@@ -333,20 +358,36 @@ def plain_mlp_verdict(
     first, second = projections
     if probes.computes_relu_squared(act):
         layer, want, extra = "ReLUSquaredMLP", f"{second}(relu({first}(x))^2)", ()
-    elif (kind := multimodal.gelu_kind(act)) is not None:
+    elif (kind := multimodal.gelu_kind(act)) is not None or probes.computes_relu(act):
+        kind = kind or "relu"  # T5's and UDOP's wi -> relu -> wo: the same kernel, another act
         layer, want, extra = "GELUMLP", f"{second}({kind}({first}(x)))", ((MLP_ACTIVATION, kind),)
     else:
         return None
+    dropout = _active_dropout(module)
+    if dropout:
+        # the fused layer has no dropout: binding it would train another model
+        return Verdict("mlp", None, f"applies dropout ({dropout}) the fused layer does not")
+    # a norm between the projections (Kosmos-2.5's text FFN): GELUNormMLP runs it as it is
+    norms = [n for n, m in module._modules.items() if is_norm(m)]
+    norm = norms[0] if len(norms) == 1 and layer == "GELUMLP" else None
+    if norm is not None:
+        layer, want = "GELUNormMLP", f"{second}({norm}({kind}({first}(x))))"
     # registration order is usually the forward's; a module may declare the output one first
     orders = (projections, projections[::-1]) if probes.one_tensor_forward(type(module)) else ()
-    order = next((o for o in orders if probes.probe_plain_mlp(module, *o)), None)
+    order = next((o for o in orders if probes.probe_plain_mlp(module, *o, norm)), None)
     if order is None:
         return Verdict("mlp", None, f"does not compute {want}")
+    if norm is not None:
+        order = (order[0], norm, order[1])
     missing = available(layer)
     if missing:
         return Verdict("mlp", None, missing)
-    condition = _pins_activation if extra else None
-    return Verdict("mlp", layer, condition=condition, attributes=((MLP_PROJECTIONS, order), *extra))
+    return Verdict(
+        "mlp",
+        layer,
+        condition=_serves_plain,
+        attributes=((MLP_PROJECTIONS, order), *extra),
+    )
 
 
 def rotary_embedding_verdict(
@@ -423,6 +464,8 @@ _HEAD_LINE_OK = re.compile(
     r"|\w+ = \w+ ?[*/] ?final_logit_softcapping"  # a local read from the (text) config
     r'|final_logit_softcapping = getattr\(self\.config\.get_text_config\(\), "final_logit_softcapping", None\)'
     r"|if final_logit_softcapping is not None:"
+    # the last hidden states collected (Pix2Struct's decoder), the logits not touched
+    r"|if output_hidden_states:|all_hidden_states = all_hidden_states \+ \(hidden_states,\)"
     r")\s*$"
 )
 
@@ -438,8 +481,13 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     head = model.get_submodule(head_path)
     # the fused loss reads the head's weight/bias: a head with its own forward (a per-token
     # scale, a LoRA wrapper, a quantized matmul) must run it
+    linear_head = isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward
     if not (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward):
-        return Verdict("loss", None, f"{head_path} is not a plain nn.Linear")
+        # a Linear subclass whose forward computes the Linear and nothing more (Idefics'
+        # decoupled head without extra vocabulary rows) binds: the loss layers read its
+        # weight and bias as a plain Linear's
+        if not (linear_head and probes.computes_linear(head)):
+            return Verdict("loss", None, f"{head_path} is not a plain nn.Linear")
     forward = inspect.unwrap(cls.forward)
     try:
         source = inspect.getsource(forward)
@@ -506,8 +554,51 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         (AUX_LOSS, aux_spec),
         (LABEL_POSITIONS, last_positions),
         (DECODER_INPUTS, decoder_inputs),
+        *(((LINEAR_HEAD, True),) if linear_head else ()),
     )
     return Verdict("loss", layer, attributes=attributes)
+
+
+# `decoder_outputs = self.decoder(..., labels=labels, ...)` and `loss=decoder_outputs.loss`
+_CHILD_CALL = re.compile(r"^\s*(\w+)(?:: [\w.]+)? = self\.(\w+)\(\s*$")  # an annotation allowed
+
+
+def _loss_child(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, child) of the direct child whose loss the model's forward returns as it is: it
+    passes the labels to that child's one call (``labels=labels``), returns ``loss=<out>.loss``
+    and computes no loss of its own; None otherwise."""
+    try:
+        source = inspect.getsource(inspect.unwrap(type(model).forward))
+    except (OSError, TypeError):
+        return None
+    source = "\n".join(_body_before(source, "\0"))  # the statements: no docstring
+    if "loss_fct" in source or "self.loss_function" in source or "loss =" in source:
+        return None
+    lines = source.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        call = _CHILD_CALL.match(line)
+        if call is None:
+            continue
+        out, name = call.groups()
+        args = []
+        for arg in lines[i + 1 :]:
+            if arg.strip() == ")":
+                break
+            args.append(arg.strip())
+        if "labels=labels," in args and f"self.{name}(" in source:
+            found.append((out, name))
+    if len(found) != 1:
+        return None
+    out, name = found[0]
+    child = model._modules.get(name)
+    if child is None or source.count(f"self.{name}(") != 1:
+        return None
+    # every `loss=` hands on the child's loss as it is (nothing scaled or added)
+    returned = re.findall(r"\bloss=([^,)\n]*)", source)
+    if not returned or any(used.strip() != f"{out}.loss" for used in returned):
+        return None
+    return name, child
 
 
 def _output_head_path(model: nn.Module) -> str | None:
@@ -557,7 +648,8 @@ def _config_aliases(model: nn.Module, source: str) -> str:
 # An encoder-decoder's forward that makes its decoder inputs from the labels exactly when the
 # caller gave none: the method it calls (T5Gemma 2's prepare_decoder_input_ids_from_labels)
 _DECODER_INPUTS = re.compile(
-    r"^\s*if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:"
+    r"^\s*if (labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None"
+    r"|decoder_input_ids is None and labels is not None):"
     r"\s*\n(?:\s*#[^\n]*\n)*\s*decoder_input_ids = self\.(\w+)\(labels\)\s*\n",
     re.M,
 )
@@ -565,7 +657,7 @@ _DECODER_INPUTS = re.compile(
 
 def _decoder_inputs_maker(source: str) -> str | None:
     found = _DECODER_INPUTS.search(source)
-    return found.group(1) if found else None
+    return found.group(2) if found else None
 
 
 def _inner_head_path(model: nn.Module) -> str | None:
@@ -622,12 +714,15 @@ OUTPUT_HEAD = "kernels_output_head"  # the Linear making the logits, when not lm
 LABEL_POSITIONS = "kernels_label_positions"
 # the method making an encoder-decoder's decoder inputs from the labels, when none are given
 DECODER_INPUTS = "kernels_decoder_inputs"
+# True: the head is a Linear subclass the probe found computing F.linear(x, weight, bias)
+LINEAR_HEAD = "kernels_linear_head"
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
 _AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")
 _PLAIN_CE = re.compile(
-    r"loss_fct = (nn\.)?CrossEntropyLoss\(\)[^\n]*\n\s*\w+ = loss_fct\("
-    r"\w+\.view\(-1, self\.config\.vocab_size\), labels\.view\(-1\)\)"
+    r'loss_fct = (nn\.)?CrossEntropyLoss\((ignore_index=-100(, reduction="mean")?)?\)[^\n]*\n'
+    r"\s*\w+ = loss_fct\(\w+(\.contiguous\(\))?\.view\(-1, (self\.config\.vocab_size|\w+\.size\(-1\))\), "
+    r"labels(\.contiguous\(\))?\.view\(-1\)\)"
 )
 # Gemma 4's multimodal head binds the soft-cap to a local, read from its (text) config
 _SOFTCAP_USE = re.compile(r"[*/] ?final_logit_softcapping")
@@ -862,6 +957,14 @@ def classify(
         verdict: Verdict | None = None
         if module is model:
             verdict = head_verdict(model, available)
+            inner = None if verdict.layer else _loss_child(model)
+            if inner is not None:
+                # the loss is the child's (Pix2Struct's decoder): its head binds, the model's
+                # forward runs as it is and returns the child's loss
+                name, child = inner
+                plan.classes[type(child)] = head_verdict(child, available)
+                seen.add(type(child))
+                verdict = Verdict("loss", None, f"returns the loss self.{name} computes")
         elif (v := experts_verdict(module, available, experts_check)) is not None:
             verdict = v
         elif (v := attention_verdict(module, available)) is not None:

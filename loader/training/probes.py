@@ -287,14 +287,41 @@ def computes_relu_squared(act: nn.Module) -> bool:
     return isinstance(out, torch.Tensor) and _close(out, torch.relu(x) ** 2, _FP32_RTOL)
 
 
-def probe_plain_mlp(module: nn.Module, first: str, second: str) -> bool:
-    """Whether the MLP computes second(act(first(x))) with its own activation: probed through a
-    shallow copy whose two projections are small random Linears (as probe_mlp does)."""
+def computes_relu(act: nn.Module) -> bool:
+    """Whether a parameter-free module computes relu(x) (nn.ReLU, T5's "relu"), whatever its
+    class is called: run on values of both signs and 0."""
+    if act._parameters or act._buffers or act._modules:
+        return False
+    probe = _unhooked(act)
+    x = torch.linspace(-3.0, 3.0, 61)
+    try:
+        with torch.no_grad():
+            out = probe(x)
+    except Exception:  # noqa: BLE001 - not a one-tensor elementwise module
+        return False
+    return isinstance(out, torch.Tensor) and _close(out, torch.relu(x), _FP32_RTOL)
+
+
+class _Marker(nn.Module):
+    """Stands in for a norm between the projections: an affine map no activation computes, so
+    the probe sees where the forward calls it."""
+
+    def forward(self, x):
+        return x * 1.5 + 0.25
+
+
+def probe_plain_mlp(module: nn.Module, first: str, second: str, norm: str | None = None) -> bool:
+    """Whether the MLP computes second(act(first(x))) with its own activation, or with ``norm``
+    second(norm(act(first(x)))): probed through a shallow copy whose two projections are small
+    random Linears (as probe_mlp does) and whose norm is a marker map."""
     hidden, inner = 8, 12
     gen = torch.Generator().manual_seed(5)
     probe = _probe_shell(module)
     probe._modules[first] = _small_linear(module._modules[first], hidden, inner, gen)
     probe._modules[second] = _small_linear(module._modules[second], inner, hidden, gen)
+    between = _Marker() if norm else nn.Identity()
+    if norm:
+        probe._modules[norm] = between
     for name in ACT_ATTRS:
         if isinstance(probe._modules.get(name), nn.Module):
             probe._modules[name] = _unhooked(probe._modules[name])
@@ -303,7 +330,7 @@ def probe_plain_mlp(module: nn.Module, first: str, second: str) -> bool:
     try:
         with torch.no_grad():
             out = probe(x)
-            want = probe._modules[second](act(probe._modules[first](x)))
+            want = probe._modules[second](between(act(probe._modules[first](x))))
     except Exception:  # noqa: BLE001 - a forward that needs more than x is not one of ours
         return False
     return _close(out if isinstance(out, torch.Tensor) else out[0], want, _FP32_RTOL)
@@ -589,3 +616,34 @@ def probe_gated_mlp(module: nn.Module, order: tuple[str, str, str]) -> str | Non
             if _close(out, probe._modules[down](fn(g) * u), _FP32_RTOL):
                 return kind
     return None
+
+
+# -- heads ------------------------------------------------------------------------------------
+
+
+def computes_linear(head: nn.Module) -> bool:
+    """Whether an ``nn.Linear`` subclass with a forward of its own computes
+    ``F.linear(x, weight, bias)`` and nothing more (Idefics' decoupled head without extra
+    vocabulary rows): no parameter or buffer but weight and bias, and the same output on random
+    inputs with its own weights (random ones for meta weights)."""
+    if not isinstance(head, nn.Linear):
+        return False
+    # a parameter or buffer beyond weight and bias takes part (Dory's learned per-token logit
+    # scale, all ones at init, where the values alone would not show it)
+    if {n for n, _ in head.named_parameters()} - {"weight", "bias"} or any(head.buffers()):
+        return False
+    probe = _materialized(head, 0) if head.weight.is_meta else head
+    weight = probe.weight
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, probe.in_features, generator=gen).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        try:
+            out = type(probe).forward(probe, x)
+        except Exception:  # noqa: BLE001 - a forward that cannot run here is not a Linear's
+            return False
+        want = F.linear(x, weight, probe.bias)
+    return (
+        isinstance(out, torch.Tensor)
+        and out.shape == want.shape
+        and torch.allclose(out.float(), want.float(), rtol=1e-5, atol=1e-6)
+    )

@@ -1,4 +1,4 @@
-"""The vision towers' non-gated GELU MLP (gelu_mlp.py, layers.GELUMLP) and its activations on the
+"""The vision towers' non-gated GELU (or ReLU) MLP (gelu_mlp.py, layers.GELUMLP) and its activations on the
 Triton interpreter, against float64 references; what it keeps for the backward, next to the
 composed modules; and transformers' own vision MLPs."""
 
@@ -13,7 +13,7 @@ from _live_bytes import saved_bytes
 from _training_refs import DTYPES, assert_close, leaf64
 from torch import nn
 
-ACTS = ["gelu", "gelu_tanh", "quick_gelu"]
+ACTS = ["gelu", "gelu_tanh", "quick_gelu", "relu"]
 
 
 def act64(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -21,6 +21,8 @@ def act64(x: torch.Tensor, act: str) -> torch.Tensor:
         return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
     if act == "gelu_tanh":
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    if act == "relu":
+        return torch.relu(x)
     return x * torch.sigmoid(1.702 * x)
 
 
@@ -186,3 +188,34 @@ def test_layer_class_takes_the_forward_it_replaces(kt):
     for replaced in (CLIPMLP.forward, VisionMlp.forward):
         theirs = [p.kind for p in list(inspect.signature(replaced).parameters.values())[1:]]
         assert ours == theirs, replaced
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+def test_normed_mlp_values_and_every_gradient(kt, act, dtype):
+    """GELUNormMLP: out(norm(act(in(x)))) with a LayerNorm between the projections (Kosmos-2.5's
+    text FFN), names given by the probe's attributes; every gradient against float64."""
+    m = nn.Module()
+    m.w_in = nn.Linear(32, 80, dtype=dtype)
+    m.mid = nn.LayerNorm(80, dtype=dtype)
+    m.w_out = nn.Linear(80, 32, dtype=dtype)
+    with torch.no_grad():  # a norm that is not the identity at init
+        m.mid.weight.uniform_(0.5, 1.5)
+        m.mid.bias.uniform_(-0.5, 0.5)
+    m.kernels_mlp_projections = ("w_in", "mid", "w_out")
+    m.kernels_mlp_activation = act
+    x = torch.randn(2, 7, 32, dtype=dtype, requires_grad=True)
+    out = types.MethodType(kt.layers.GELUNormMLP.forward, m)(x)
+    x64 = leaf64(x)
+    p64 = {n: leaf64(p) for n, p in m.named_parameters()}
+    u = act64(x64 @ p64["w_in.weight"].t() + p64["w_in.bias"], act)
+    n = torch.nn.functional.layer_norm(u, (80,), p64["mid.weight"], p64["mid.bias"], m.mid.eps)
+    ref = n @ p64["w_out.weight"].t() + p64["w_out.bias"]
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, "output")
+    assert_close(x.grad, x64.grad, dtype, "d x")
+    for name, p in m.named_parameters():
+        assert_close(p.grad, p64[name].grad, dtype, f"d {name}")

@@ -382,3 +382,188 @@ def test_a_gated_mlp_whose_down_projection_is_kept_in_another_dtype_keeps_its_fo
     module.right.half()
     module.left.half()
     assert not verdict.condition(module)
+
+
+# -- ReLU MLPs, heads that are Linear subclasses, a loss a child computes ------------------------
+
+
+def test_a_relu_mlp_binds_gelumlp_with_relu_and_keeps_its_forward_with_dropout():
+    verdict = _verdict(type("ReluTowerMLP", (TowerMLP,), {})(nn.ReLU()))
+    assert verdict.layer == "GELUMLP", verdict
+    assert dict(verdict.attributes)["kernels_mlp_activation"] == "relu"
+
+    class DroppingMLP(TowerMLP):
+        def __init__(self, act, p):
+            super().__init__(act)
+            self.dropout = nn.Dropout(p)
+
+        def forward(self, hidden_states):
+            h = self.dropout(self.activation_fn(self.fc_in(hidden_states)))
+            return self.fc_out(h)
+
+    dropping = _verdict(DroppingMLP(nn.ReLU(), 0.1))
+    assert dropping.layer is None
+    assert dropping.reason == "applies dropout (dropout) the fused layer does not"
+    # a class whose dropout is off binds, and an instance of it with dropout on keeps its forward
+    off = DroppingMLP(nn.GELU(), 0.0)
+    bound = _verdict(off)
+    assert bound.layer == "GELUMLP" and bound.condition(off)
+    assert not bound.condition(DroppingMLP(nn.GELU(), 0.1))
+
+
+class ExtraRowsHead(nn.Linear):
+    """A Linear subclass with a forward of its own: extra vocabulary rows from a child Linear
+    appended when it has them (Idefics' decoupled head), the Linear alone otherwise."""
+
+    def __init__(self, extra: int):
+        super().__init__(8, 16, bias=False)
+        self.extra = extra
+        if extra:
+            self.additional = nn.Linear(8, extra, bias=False)
+
+    def forward(self, input):
+        out = torch.nn.functional.linear(input, self.weight, self.bias)
+        if self.extra:
+            out = torch.cat((out, self.additional(input)), -1)
+        return out
+
+
+class ScaledRowsHead(nn.Linear):
+    """A learned per-row logit scale, ones at init (Dory's head)."""
+
+    def __init__(self):
+        super().__init__(8, 16, bias=False)
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, input):
+        return super().forward(input) * self.scale
+
+
+def _lm_with_head(extra: int) -> nn.Module:
+    cls = type(f"ExtraRowsLM{extra}", (DecoderWithLoss,), {})
+    model = cls()
+    model.lm_head = ExtraRowsHead(extra)
+    return model
+
+
+def test_a_linear_subclass_head_binds_only_where_it_computes_the_linear():
+    verdict = _head(_lm_with_head(0))
+    assert verdict.layer == "CausalLMHead", verdict
+    assert dict(verdict.attributes)["kernels_linear_head"] is True
+    extra = _head(_lm_with_head(4))
+    assert extra.layer is None and extra.reason == "lm_head is not a plain nn.Linear"
+    # a parameter of its own that is all ones at init still takes part (Dory's logit scale)
+    scaled = type("ScaledHeadLM", (DecoderWithLoss,), {})()
+    scaled.lm_head = ScaledRowsHead()
+    verdict = _head(scaled)
+    assert verdict.layer is None and verdict.reason == "lm_head is not a plain nn.Linear"
+    # a plain Linear head does not carry the attribute
+    plain = _head(DecoderWithLoss())
+    assert plain.layer == "CausalLMHead" and "kernels_linear_head" not in dict(plain.attributes)
+
+
+class DecoderWithLoss(nn.Module):
+    """A decoder computing a plain cross-entropy on the labels as they come (Pix2Struct's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        hidden_states = self.body(inputs_embeds)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            # fmt: off
+            loss_fct = nn.CrossEntropyLoss(ignore_index=-100, reduction="mean")
+            loss = loss_fct(logits.contiguous().view(-1, logits.size(-1)), labels.contiguous().view(-1))  # noqa: E501
+            # fmt: on
+        return {"loss": loss, "logits": logits}
+
+
+class Seq2Seq(nn.Module):
+    """Passes the labels to its decoder and returns the decoder's loss as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = DecoderWithLoss()
+
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        decoder_outputs = self.decoder(
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+        )
+        return {"loss": decoder_outputs["loss"], "logits": decoder_outputs["logits"]}
+
+
+class ReturningSeq2Seq(Seq2Seq):
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        decoder_outputs = self.decoder(
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+        )
+        return dict(loss=decoder_outputs.loss, logits=decoder_outputs.logits)
+
+
+class ScalingSeq2Seq(Seq2Seq):
+    def forward(self, inputs_embeds=None, labels=None, **kwargs):
+        decoder_outputs = self.decoder(
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+        )
+        return dict(loss=decoder_outputs.loss * 2, logits=decoder_outputs.logits)
+
+
+def test_a_loss_the_decoder_computes_binds_on_the_decoder():
+    plan = classify(ReturningSeq2Seq()).classes
+    decoder = plan[DecoderWithLoss]
+    assert decoder.layer == "CausalLMHead", decoder
+    assert dict(decoder.attributes)["kernels_shift_labels"] is False  # the labels as they come
+    top = plan[ReturningSeq2Seq]
+    assert top.layer is None and top.reason == "returns the loss self.decoder computes"
+    # a model that does anything to the child's loss keeps its forward, and so does the child
+    scaled = classify(ScalingSeq2Seq()).classes
+    assert scaled[ScalingSeq2Seq].layer is None
+    assert DecoderWithLoss not in scaled or scaled[DecoderWithLoss].layer is None
+
+
+class NormedFFN(nn.Module):
+    """fc_in -> gelu -> F.dropout(p) -> norm -> fc_out (Kosmos-2.5's text FFN), or with the norm
+    before the activation (``norm_first``), where the layer would compute something else."""
+
+    def __init__(self, p=0.0, norm_first=False):
+        super().__init__()
+        self.fc_in = nn.Linear(32, 96)
+        self.fc_out = nn.Linear(96, 32)
+        self.inner_norm = nn.LayerNorm(96)
+        self.activation_fn = nn.GELU()
+        self.activation_dropout = p
+        self.norm_first = norm_first
+
+    def forward(self, hidden_states):
+        h = self.fc_in(hidden_states)
+        if self.norm_first:
+            h = self.activation_fn(self.inner_norm(h))
+        else:
+            h = self.inner_norm(self.activation_fn(h))
+        h = torch.nn.functional.dropout(h, p=self.activation_dropout, training=self.training)
+        return self.fc_out(h)
+
+
+def test_an_mlp_with_a_norm_between_its_projections_binds_gelunormmlp():
+    verdict = _verdict(NormedFFN())
+    assert verdict.layer == "GELUNormMLP", verdict
+    attrs = dict(verdict.attributes)
+    assert attrs["kernels_mlp_projections"] == ("fc_in", "inner_norm", "fc_out")
+    assert attrs["kernels_mlp_activation"] == "gelu"
+    assert not verdict.condition(NormedFFN(p=0.1))  # an instance with dropout keeps its forward
+    first = _verdict(type("NormFirstFFN", (NormedFFN,), {})(norm_first=True))
+    assert first.layer is None
+    assert first.reason == "does not compute fc_out(inner_norm(gelu(fc_in(x))))"
+    dropping = _verdict(type("DroppingFFN", (NormedFFN,), {})(p=0.1))
+    assert dropping.layer is None
+    assert dropping.reason == "applies dropout (activation_dropout) the fused layer does not"

@@ -131,6 +131,8 @@ def _shrink_all(config, seen: set[int]) -> None:
         config.mm_tokens_per_image = (PATCHES_PER_SIDE // 2) ** 2  # pooled 2 x 2
     if isinstance(getattr(config, "output_multiplier", None), (int, float)):
         config.output_multiplier = 0.5  # Muse's logit scale defaults to 1: a scale would not show
+    if isinstance(getattr(config, "dropout_rate", None), float):
+        config.dropout_rate = 0.0  # T5-style configs' dropout: training must be deterministic
     kinds = getattr(config, "layer_types", None)
     if isinstance(kinds, list) and any("sliding" in str(k) for k in kinds):
         if getattr(config, "sliding_window", None) is None:
@@ -693,10 +695,15 @@ ADAPTERS: dict[str, Adapter] = {
 }
 
 
-def place(path: str, decoder: str) -> str:
-    """Where a report entry's module sits: "head" (the model itself), "text" (under the
-    decoder, the language model) or "vision" (the vision tower and the projector)."""
-    if not path:
+# the loss layers: the head wherever it binds (Pix2Struct's decoder computes the loss)
+LOSS_LAYERS = ("ForCausalLM", "MoEForCausalLM", "CausalLMHead")
+
+
+def place(path: str, decoder: str, layer: str = "") -> str:
+    """Where a report entry's module sits: "head" (the model itself, or the loss layer where
+    a child computes the loss), "text" (under the decoder, the language model) or "vision"
+    (the vision tower and the projector)."""
+    if not path or layer in LOSS_LAYERS:
         return "head"
     if decoder and (path == decoder or path.startswith(decoder + ".")):
         return "text"
@@ -717,7 +724,7 @@ def describe(model, report, batches) -> dict:
     bound: dict[str, set[str]] = {"text": set(), "vision": set(), "head": set()}
     unbound: dict[str, set[str]] = {"text": set(), "vision": set(), "head": set()}
     for e in report:
-        where = place(e.path, decoder)
+        where = place(e.path, decoder, e.layer_name if e.status == "bound" else "")
         if e.status == "bound":
             bound[where].add(e.layer_name)
         else:

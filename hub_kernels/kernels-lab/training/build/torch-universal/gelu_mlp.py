@@ -1,6 +1,7 @@
 """The vision towers' MLP, fc2(gelu(fc1(x))) with biases (CLIP, SigLIP, Qwen2-VL's and
 InternVL's towers, ...), as one autograd function that keeps one [tokens, intermediate] tensor
-for the backward instead of two; GELU as erf, tanh or "quick" (x * sigmoid(1.702 x)).
+for the backward instead of two; GELU as erf, tanh or "quick" (x * sigmoid(1.702 x)), or ReLU
+(T5's and UDOP's wi -> relu -> wo).
 
 Composed from modules, autograd keeps u = fc1(x) for the activation's backward and h = gelu(u)
 for fc2's weight gradient: two [tokens, intermediate] tensors per layer, the largest activations
@@ -20,6 +21,7 @@ from .swiglu import (
     GELU_ERF,
     GELU_TANH,
     QUICK_GELU,
+    RELU,
     _act_backward_any,
     _act_forward_any,
     _ActFunction,
@@ -27,9 +29,11 @@ from .swiglu import (
     graph_is_freed,
 )
 
-__all__ = ["GELU_ERF", "GELU_TANH", "GELUMLPFunction", "QUICK_GELU", "gelu_activation", "gelu_mlp"]
+__all__ = [
+    "GELU_ERF", "GELU_TANH", "GELUMLPFunction", "QUICK_GELU", "RELU", "gelu_activation", "gelu_mlp",
+]  # fmt: skip
 
-CODES = {"gelu": GELU_ERF, "gelu_tanh": GELU_TANH, "quick_gelu": QUICK_GELU}
+CODES = {"gelu": GELU_ERF, "gelu_tanh": GELU_TANH, "quick_gelu": QUICK_GELU, "relu": RELU}
 
 
 def _linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -91,7 +95,7 @@ def gelu_mlp(x: torch.Tensor, fc1, fc2, act: int) -> torch.Tensor | None:
 
 
 def gelu_activation(x: torch.Tensor, act: int, *, in_place: bool = False) -> torch.Tensor:
-    """act(x) for one of GELU_ERF, GELU_TANH, QUICK_GELU, with a Triton backward that keeps x
+    """act(x) for one of GELU_ERF, GELU_TANH, QUICK_GELU, RELU, with a Triton backward that keeps x
     only; ``in_place`` writes d(x) over x (as swiglu.relu_squared does)."""
     if torch.compiler.is_compiling():
         return act_fwd(x, act)  # the compiled graph owns its buffers

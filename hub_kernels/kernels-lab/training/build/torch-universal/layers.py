@@ -483,6 +483,7 @@ class FusedQKVAttention(nn.Module):
 # towers' rotary function and their non-gated GELU MLP.
 from .vision_layers import (  # noqa: E402, F401
     GELUMLP,
+    GELUNormMLP,
     MultimodalRotaryEmbedding,
     vision_rotary_pos_emb,
 )

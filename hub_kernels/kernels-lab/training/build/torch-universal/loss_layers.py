@@ -362,7 +362,8 @@ def fused_causal_lm_loss(
             "with labels, pass logits_to_keep=0 (or matching shift_labels)"
         )
     head = model.lm_head if head is None else head
-    if head_terms(head) is None:
+    linear = linear_head(model, head)
+    if head_terms(head, linear) is None:
         # an adapter the fused loss cannot fold in (DoRA, a quantized or custom head): the
         # head's own forward builds the logits, said once
         _warn_unfused(head)
@@ -376,7 +377,7 @@ def fused_causal_lm_loss(
         )
 
     def loss_fn(x: torch.Tensor) -> torch.Tensor:
-        x, weight, bias = head_operands(head, x)
+        x, weight, bias = head_operands(head, x, linear)
         if scale != 1.0:
             if bias is None:
                 x = x * scale
@@ -399,12 +400,24 @@ def _plain_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-def head_terms(head: nn.Module) -> list | None:
+def linear_head(model: nn.Module, head: nn.Module) -> bool:
+    """Whether ``head`` is the model's output head and an ``nn.Linear`` subclass the loader's
+    probe found computing ``F.linear(x, weight, bias)`` (``kernels_linear_head``: Idefics'
+    decoupled head without extra vocabulary rows)."""
+    return (
+        getattr(model, "kernels_linear_head", False)
+        and isinstance(head, nn.Linear)
+        and head is output_head(model)
+    )
+
+
+def head_terms(head: nn.Module, linear: bool = False) -> list | None:
     """How the fused paths compute ``head(x)``: [] for a plain Linear (its weight and bias, or
     a PEFT LoRA Linear whose adapters are off or merged); for a PEFT LoRA Linear over a plain
     Linear, its active plain LoRA adapters as (lora_A, lora_B, dropout, scaling); None when the
-    head computes something else (DoRA and other variants, other tuners, quantized layers)."""
-    if _plain_linear(head):
+    head computes something else (DoRA and other variants, other tuners, quantized layers).
+    ``linear``: ``head`` is a Linear subclass known to compute the Linear (``linear_head``)."""
+    if _plain_linear(head) or linear:
         return []
     base, adapters_a = getattr(head, "base_layer", None), getattr(head, "lora_A", None)
     if base is None or not isinstance(adapters_a, nn.ModuleDict) or not _plain_linear(base):
@@ -426,14 +439,14 @@ def head_terms(head: nn.Module) -> list | None:
     return terms
 
 
-def head_operands(head: nn.Module, x: torch.Tensor):
+def head_operands(head: nn.Module, x: torch.Tensor, linear: bool = False):
     """(x', W', b') with ``x' @ W'.T + b' == head(x)`` for the heads ``head_terms`` serves.
 
     A LoRA head adds s * B(A(drop(x))): its rank-r input s * A(drop(x)) is appended to x and
     B's weight to W (a [V, H + r] copy per call), so the fused kernels see one Linear and the
     adapters get their gradients through the concatenations; B's bias joins the bias."""
-    terms = head_terms(head)
-    base = head if not terms and _plain_linear(head) else head.base_layer
+    terms = head_terms(head, linear)
+    base = head if not terms and (linear or _plain_linear(head)) else head.base_layer
     weight, bias = base.weight, base.bias
     if not terms:
         return x, weight, bias
@@ -775,7 +788,8 @@ def fused_lm_head_output(
         hidden, targets = hidden[:, :-1], labels[:, 1:]
     else:
         raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
-    if head_terms(head) is None:
+    linear = linear_head(model, head)
+    if head_terms(head, linear) is None:
         raise ValueError(
             f"fused_lm_head=True reads lm_head's weight, but lm_head is a {type(head).__name__} "
             "(not a plain Linear nor a plain LoRA Linear); call without fused_lm_head"
@@ -785,7 +799,7 @@ def fused_lm_head_output(
     rows = hidden[mask]
 
     def fields_fn(x: torch.Tensor):
-        x, weight, bias = head_operands(head, x)
+        x, weight, bias = head_operands(head, x, linear)
         return fused_linear_logprob(
             x,
             weight,

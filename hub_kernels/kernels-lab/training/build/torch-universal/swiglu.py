@@ -40,6 +40,7 @@ from ._triton import tl, triton
 
 SILU, GELU_TANH, GELU_ERF, RELU_SQUARED = 0, 1, 2, 3
 QUICK_GELU = 4  # x * sigmoid(1.702 x) (CLIP's and Qwen2-VL's vision towers)
+RELU = 5  # max(x, 0) (T5's and UDOP's non-gated MLPs)
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_C = 0.044715
@@ -65,6 +66,8 @@ def _act(a, ACT: tl.constexpr):
         y = 0.5 * a * (1.0 + tl.erf(a * _R2))
     elif ACT == 4:
         y = a * tl.sigmoid(1.702 * a)
+    elif ACT == 5:
+        y = tl.maximum(a, 0.0)
     else:
         # relu(a)^2: exact in fp32 for a bf16/fp16 a, so one rounding, as torch's square
         r = tl.maximum(a, 0.0)
@@ -88,6 +91,8 @@ def _act_grad(a, ACT: tl.constexpr):
     elif ACT == 4:
         s = tl.sigmoid(1.702 * a)
         g = s + 1.702 * a * s * (1.0 - s)
+    elif ACT == 5:
+        g = tl.where(a > 0.0, 1.0, 0.0)  # 0 at 0, as torch's relu backward
     else:
         g = 2.0 * tl.maximum(a, 0.0)
     return g
@@ -304,6 +309,8 @@ def _torch_act(x: torch.Tensor, act: int) -> torch.Tensor:
         return F.silu(x)
     if act == RELU_SQUARED:
         return torch.square(F.relu(x))
+    if act == RELU:
+        return F.relu(x)
     if act == QUICK_GELU:
         return (x.float() * torch.sigmoid(1.702 * x.float())).to(x.dtype)
     return F.gelu(x, approximate="tanh" if act == GELU_TANH else "none")
@@ -317,6 +324,8 @@ def _torch_act_grad(x: torch.Tensor, act: int) -> torch.Tensor:
         return s * (1.0 + x * (1.0 - s))
     if act == RELU_SQUARED:
         return 2.0 * F.relu(x)
+    if act == RELU:
+        return (x > 0).float()
     if act == QUICK_GELU:
         s = torch.sigmoid(1.702 * x)
         return s + 1.702 * x * s * (1.0 - s)

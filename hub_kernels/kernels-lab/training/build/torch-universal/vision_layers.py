@@ -57,7 +57,7 @@ class GELUMLP(nn.Module):
     """Non-gated MLP ``fc2(gelu(fc1(x)))`` (biases or not): keeps fc1(x) alone for the backward
     (gelu_mlp.py); with hooks or other Linear modules, the projections run as modules around the
     activation kernel. The projections are the (in, out) child names ``kernels_mlp_projections``
-    gives, the activation ``kernels_mlp_activation`` ("gelu", "gelu_tanh" or "quick_gelu")."""
+    gives, the activation ``kernels_mlp_activation`` ("gelu", "gelu_tanh", "quick_gelu" or "relu")."""
 
     has_backward = True
     can_torch_compile = True
@@ -71,3 +71,21 @@ class GELUMLP(nn.Module):
             # d(u) over fc1's output only where no hook can have handed it to someone else
             out = fc2(gelu_activation(fc1(x), act, in_place=not has_hooks(fc1)))
         return out
+
+
+class GELUNormMLP(nn.Module):
+    """Non-gated MLP with a norm between its projections, ``out(norm(gelu(in(x))))``
+    (Kosmos-2.5's text FFN): the activation kernel keeps in(x) alone for the backward and
+    writes d(in(x)) over it where no hook can have handed it on; the projections and the norm
+    run as the module's own children (a norm bound to its kernel runs that). The names are
+    ``kernels_mlp_projections`` (in, norm, out), the activation ``kernels_mlp_activation``."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, norm, second = self.kernels_mlp_projections
+        act = CODES.get(getattr(self, "kernels_mlp_activation", "gelu"), GELU_ERF)
+        fc1 = getattr(self, first)
+        h = gelu_activation(fc1(x), act, in_place=not has_hooks(fc1))
+        return getattr(self, second)(getattr(self, norm)(h))
