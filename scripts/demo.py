@@ -101,6 +101,8 @@ def run(code: str, env: dict) -> str:
 
 
 def main() -> int:
+    # each line as it is made, also into a pipe: a reader (a CI log, a test) sees the progress
+    sys.stdout.reconfigure(line_buffering=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="keep the mirror and cache in this folder")
     args = parser.parse_args()

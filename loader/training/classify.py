@@ -555,8 +555,19 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         (LABEL_POSITIONS, last_positions),
         (DECODER_INPUTS, decoder_inputs),
         *(((LINEAR_HEAD, True),) if linear_head else ()),
+        *(((STEP_CACHE, True),) if llama_style and _builds_dynamic_cache(model.model) else ()),
     )
     return Verdict("loss", layer, attributes=attributes)
+
+
+def _builds_dynamic_cache(decoder: nn.Module) -> bool:
+    """Whether the decoder's forward makes transformers' ``DynamicCache`` from its config when
+    asked to cache: the loss layers then hand it one that copies nothing (``step_cache``)."""
+    try:
+        source = inspect.getsource(inspect.unwrap(type(decoder).forward))
+    except (OSError, TypeError):
+        return False
+    return "= DynamicCache(config=self.config)" in source
 
 
 # `decoder_outputs = self.decoder(..., labels=labels, ...)` and `loss=decoder_outputs.loss`
@@ -716,6 +727,8 @@ LABEL_POSITIONS = "kernels_label_positions"
 DECODER_INPUTS = "kernels_decoder_inputs"
 # True: the head is a Linear subclass the probe found computing F.linear(x, weight, bias)
 LINEAR_HEAD = "kernels_linear_head"
+# True: the decoder builds a DynamicCache when asked to; a training step hands it step_cache's
+STEP_CACHE = "kernels_step_cache"
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
 _AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")

@@ -9,10 +9,11 @@ the hidden states and ``lm_head.weight`` (``fused_linear_cross_entropy``), never
 - training (``model.training``): ``logits`` is None, unless the call passes ``return_logits=True``;
 - eval: logits are computed as usual next to the fused loss (``return_logits=False`` skips them);
 - without ``labels`` it is the original forward, logits included;
-- a training call with labels that leaves ``use_cache`` unset builds no KV cache (transformers
+- a training call with labels that leaves ``use_cache`` unset returns no KV cache (transformers
   would build one from ``config.use_cache`` and copy every layer's keys and values into it:
-  ~4 % of a Qwen3-0.6B training step, and memory held until the output is dropped). Pass
-  ``use_cache=True`` to get one anyway.
+  ~4 % of a Qwen3-0.6B training step, and memory held until the output is dropped); the
+  decoder gets ``step_cache``'s, which copies nothing and keeps the causal mask implicit.
+  Pass ``use_cache=True`` to get a cache anyway.
 
 ``ForCausalLMLoss`` is a drop-in for ``transformers.loss.loss_utils.ForCausalLMLoss``
 (``model.loss_function = ForCausalLMLoss``) and ``CrossEntropyLoss`` a layer for
@@ -32,6 +33,7 @@ from ._common import has_hooks
 from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .logprob import fused_linear_logprob
+from .step_cache import step_cache
 
 
 class ForCausalLM(nn.Module):
@@ -499,8 +501,12 @@ def causal_lm_forward(
     if cache is None:  # the name transformers' deprecate_kwarg maps onto `cache`
         cache = kwargs.pop("past_key_values", None)
     cache_arg = _cache_arg(type(model.model))
+    own_cache = None
     if use_cache is None and cache is None and labels is not None and model.training:
         use_cache = False  # a cache nobody asked for, in a step that will not decode
+        # ... except one that keeps the causal mask implicit (step_cache says why)
+        cache = own_cache = step_cache(model, attention_mask, position_ids)
+        use_cache = own_cache is not None
     outputs = model.model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -536,7 +542,7 @@ def causal_lm_forward(
         logits=logits,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
-        **{cache_arg: getattr(outputs, cache_arg, None)},
+        **{cache_arg: None if own_cache is not None else getattr(outputs, cache_arg, None)},
         **extra,
     )
     if return_dict is None:
