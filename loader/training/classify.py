@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layers.decorators import function_key, replace_kernel_forward_from_hub
 from ..layers.funcs import KernelFunction, make_function_module
-from . import multimodal, probes
+from . import mask_skip, multimodal, probes
 from .attention import qkv_attention_verdict
 
 UNSERVED = "_kernels_unserved"  # cls.__dict__: {kind: reason}, read by kernelize's report
@@ -82,6 +82,8 @@ class Plan:
         and unserved ones their reason; route served rotary functions through a KernelFunction
         that the calling class (and its instances in ``model``) list in ``_kernel_funcs``."""
         served = self.served()
+        if any(name == STEP_CACHE for v in self.classes.values() for name, _ in v.attributes):
+            mask_skip.backport()  # the step cache's implicit mask, compiled on older torches
         for cls, verdict in self.classes.items():
             reasons = dict(cls.__dict__.get(UNSERVED) or {})
             if verdict.layer:

@@ -80,3 +80,24 @@ def test_compiled_bound_model_matches_eager(monkeypatch, model_type, attn, mode)
             opt.zero_grad(set_to_none=True)
     assert counters["stats"]["unique_graphs"] == 1  # no graph break, no recompile
     assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_compiled_bound_model_calls_sdpa_causal(monkeypatch, model_type):
+    """The compiled step hands SDPA no mask and is_causal=True (its flash / cuDNN kernels), on
+    this GPU's torch too: older Dynamo folds torch.compiler.is_exporting() to True, and without
+    the loader's mask_skip backport transformers then builds an explicit mask."""
+    monkeypatch.setenv("LOCAL_KERNELS", f"kernels-lab/training={VARIANT}")
+    torch._dynamo.reset()
+    model, _ = _models(model_type, "sdpa")
+    found: list[dict] = []
+
+    def backend(gm, example):
+        found.extend(dict(n.kwargs) for n in gm.graph.nodes if "scaled_dot" in str(n.target))
+        return gm.forward
+
+    ids = torch.randint(0, 1024, (2, 64), device="cuda")
+    torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids)
+    assert found, "no SDPA call traced"
+    for kwargs in found:
+        assert kwargs.get("attn_mask") is None and kwargs.get("is_causal") is True, kwargs

@@ -143,3 +143,22 @@ def test_a_caller_asking_for_a_cache_gets_a_full_one(local_kernels):
     out = bound(input_ids=ids, labels=ids, use_cache=True)
     cache = out.past_key_values
     assert type(cache).__name__ == "DynamicCache" and cache.get_seq_length() == 16
+
+
+def test_masking_reads_the_export_flag_after_binding(local_kernels, monkeypatch):
+    """Older Dynamo answers torch.compiler.is_exporting() with True in any trace, so
+    transformers would build the mask in every compiled step (tests/gpu/test_compile_gpu.py
+    traces it on such a torch): after binding, its masking module reads the flag export sets."""
+    import transformers.masking_utils as masking
+
+    pair("qwen3")
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
+    assert masking.is_torchdynamo_exporting() is True
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", False)
+    assert masking.is_torchdynamo_exporting() is False
+    # such a Dynamo, simulated: is_exporting() is True whenever Dynamo traces it
+    monkeypatch.setattr(
+        torch.compiler, "is_exporting", lambda: torch.compiler.is_compiling() or False
+    )
+    traced = torch.compile(lambda x: x + int(masking.is_torchdynamo_exporting()), fullgraph=True)
+    assert traced(torch.zeros(())).item() == 0  # read in a trace as the flag's value
