@@ -7,9 +7,9 @@ twice the attention time on an H200); in eager it reads them back, a host sync p
 Positions the decoder makes itself are 0..S-1 and cannot be packed, and with a cache present
 the search is skipped and SDPA gets ``is_causal=True`` as in inference.
 
-``step_cache`` makes that cache: transformers' ``DynamicCache`` whose full-attention layers
-keep the first keys and values they are given by reference, where ``DynamicCache`` copies them
-(``torch.cat`` onto an empty tensor). Attention saves the same tensors for its backward, so
+``step_cache`` makes that cache: transformers' ``DynamicCache`` whose full and sliding-window
+layers keep the first keys and values they are given by reference (the window's last ones: a
+view), where ``DynamicCache`` copies them (``torch.cat`` onto an empty tensor). Attention saves the same tensors for its backward, so
 the cache adds no memory; it is dropped with the step's output.
 """
 
@@ -26,14 +26,25 @@ _CLASS: list[type] = []
 def _cache_class() -> type:
     if _CLASS:
         return _CLASS[0]
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     class StepCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-            if type(layer) is DynamicLayer and not layer.is_initialized:
+            kind = type(layer)
+            if (
+                kind in (DynamicLayer, DynamicSlidingWindowLayer)
+                and not layer.is_initialized
+                and not getattr(layer, "record_past", False)
+            ):
+                # what the layer's first update keeps and returns, without its torch.cat
                 layer.lazy_initialization(key_states, value_states)
-                layer.keys, layer.values = key_states, value_states
+                if kind is DynamicSlidingWindowLayer:
+                    layer.cumulative_length += key_states.shape[-2]
+                    kept = slice(-layer.sliding_window + 1, None)
+                    layer.keys, layer.values = key_states[:, :, kept], value_states[:, :, kept]
+                else:
+                    layer.keys, layer.values = key_states, value_states
                 return key_states, value_states
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
