@@ -18,6 +18,11 @@ Two timings per closure, both medians with the L2 flushed before each call:
 
 Each case's table rows say which implementation is best in device and in wall time, and whether
 ours is within 3 % of the best peer in both and uses no more memory than Liger (`verdict`).
+
+A case with a `Budget` (ops whose one call takes tens or hundreds of milliseconds) sizes the
+repetitions from each implementation's second call so that its timings take about
+`per_impl_s`, and stops an implementation that runs past `limit_s` (its first call included):
+its row says "timeout" and the others go on.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ import io
 import itertools
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -64,6 +71,15 @@ def load_training_kernels(path: Path = TRAINING_VARIANT) -> ModuleType:
     return _loaded[key]
 
 
+@dataclass(frozen=True)
+class Budget:
+    """Time allowed per implementation of a case: about `per_impl_s` of timed calls, and no
+    more than `limit_s` in all (first call and memory probe included)."""
+
+    per_impl_s: float
+    limit_s: float
+
+
 @dataclass
 class Impl:
     name: str
@@ -80,6 +96,53 @@ class Case:
     flops_fwd_bwd: int = 0  # for matmul-bound ops (FLCE): 6*N*H*V
     target_ms: float | None = None  # the issue's target for fwd+bwd, if any
     notes: list[str] = field(default_factory=list)
+    budget: Budget | None = None  # run_case's default for this case
+
+
+# The repetitions without a budget: device-timed calls per closure per round, and wall-timed
+# calls per closure (do_bench's own warm-up and estimate add about 6 more).
+DEVICE_REPS = 30
+WALL_CALLS = 20
+
+
+def scaled_reps(call_s: float, rounds: int, budget: Budget | None) -> tuple[int, int]:
+    """(device reps per closure per round, wall-timed calls per closure) for an implementation
+    whose fwd+bwd takes `call_s`: the defaults, or fewer so that its timings take about
+    `budget.per_impl_s` (never below 3 and 5: a median of fewer says little)."""
+    if budget is None:
+        return DEVICE_REPS, WALL_CALLS
+    # calls(scale) = rounds*2*(DEVICE_REPS*scale + 1) + 2*(WALL_CALLS*scale + 6), fwd counted
+    # as a fwd+bwd (the sizing call before each device timing, do_bench's own ~6 calls fixed)
+    fixed = rounds * 2 + 2 * 6
+    per_scale = rounds * 2 * DEVICE_REPS + 2 * WALL_CALLS
+    scale = (budget.per_impl_s / max(call_s, 1e-9) - fixed) / per_scale
+    scale = min(1.0, max(0.0, scale))
+    return max(3, round(DEVICE_REPS * scale)), max(5, round(WALL_CALLS * scale))
+
+
+class Timeout(BaseException):
+    """An implementation ran past its budget's limit (a BaseException: the `except Exception`
+    of a peer's own code, such as a config search skipping a failed candidate, lets it by)."""
+
+
+@contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise Timeout in this (main) thread once `seconds` have passed, at the next Python line
+    it runs (a CUDA call in flight finishes first); no limit for None."""
+    if seconds is None:
+        yield
+        return
+
+    def expire(signum, frame):  # noqa: ARG001
+        raise Timeout(f"timeout: over {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass
@@ -114,8 +177,8 @@ def measure_ceilings() -> Ceilings:
     return Ceilings(copy_gbps=copy_gbps, matmul_tflops=tflops)
 
 
-def _wall_ms(fn: Callable[[], object]) -> float:
-    """do_bench's median wall time over at least ~20 timed calls: do_bench repeats a call
+def _wall_ms(fn: Callable[[], object], calls: int = WALL_CALLS) -> float:
+    """do_bench's median wall time over at least ~`calls` timed calls: do_bench repeats a call
     rep / (its own estimate) times, so rep=50 ms alone timed one call of a 40 ms op."""
     from triton.testing import do_bench
 
@@ -124,7 +187,8 @@ def _wall_ms(fn: Callable[[], object]) -> float:
     fn()
     torch.cuda.synchronize()
     once_ms = (time.perf_counter() - t) * 1e3
-    return do_bench(fn, warmup=10, rep=max(50.0, 20 * once_ms), return_mode="median")
+    rep = max(50.0, calls * once_ms) if calls >= WALL_CALLS else calls * once_ms
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 def host_us(fn: Callable[[], object], calls: int = 300, warmup: int = 1) -> float:
@@ -226,48 +290,90 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
 
-def run_case(case: Case, ceil: Ceilings, rounds: int = 3) -> list[dict]:
+def _drain() -> None:
+    """After an implementation was stopped: let the GPU finish what it queued, drop its memory."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_case(
+    case: Case, ceil: Ceilings, rounds: int = 3, budget: Budget | None = None
+) -> list[dict]:
     """Every implementation of `case`, device times as medians over `rounds` in which the
     implementations take turns, so a drift of the GPU during the case favours none of them.
-    All implementations' inputs are held at once for that (their sum must fit the GPU)."""
+    All implementations' inputs are held at once for that (their sum must fit the GPU).
+    With a `budget`, fewer repetitions for slow implementations and a time limit for each."""
+    budget = budget or case.budget
     rows, live = [], []
+    spent: dict[int, float] = {}  # id(row) -> seconds this implementation has taken so far
+    reps: dict[int, tuple[int, int]] = {}
+    limit = None if budget is None else budget.limit_s
     for impl in case.impls:
         row: dict = {"op": case.op, "shape": case.shape, "impl": impl.name}
+        began = time.perf_counter()
         try:
-            fwd, fwd_bwd = impl.make()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fwd_bwd()  # compile / autotune first
-            torch.cuda.synchronize()
-            # a first call at a new shape: Triton's builds and the launch-geometry timing
-            row["first_call_s"] = time.perf_counter() - start
+            with time_limit(limit):
+                fwd, fwd_bwd = impl.make()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                fwd_bwd()  # compile / autotune first
+                torch.cuda.synchronize()
+                # a first call at a new shape: Triton's builds and the launch-geometry timing
+                row["first_call_s"] = time.perf_counter() - start
+                second = time.perf_counter()
+                fwd_bwd()  # a warm call sizes the repetitions (no build in it)
+                torch.cuda.synchronize()
+                reps[id(row)] = scaled_reps(time.perf_counter() - second, rounds, budget)
             live.append((row, fwd, fwd_bwd))
+        except Timeout as exc:
+            row["error"] = str(exc)
+            fwd = fwd_bwd = None
+            _drain()
         except Exception as exc:  # a peer that cannot run this case is reported, not fatal
             row["error"] = _error(exc)
+        spent[id(row)] = time.perf_counter() - began
         rows.append(row)
     times: dict[int, dict[str, list[float]]] = {id(r): {"fwd": [], "fwd_bwd": []} for r, *_ in live}
+
+    def left(row: dict) -> float | None:
+        return None if limit is None else max(1e-3, limit - spent[id(row)])
+
     for _ in range(rounds):
         for row, fwd, fwd_bwd in list(live):
+            start = time.perf_counter()
             try:
-                times[id(row)]["fwd"].append(_device_ms(fwd))
-                times[id(row)]["fwd_bwd"].append(_device_ms(fwd_bwd))
+                with time_limit(left(row)):
+                    times[id(row)]["fwd"].append(_device_ms(fwd, reps[id(row)][0]))
+                    times[id(row)]["fwd_bwd"].append(_device_ms(fwd_bwd, reps[id(row)][0]))
+            except Timeout as exc:
+                row["error"] = str(exc)
+                live.remove((row, fwd, fwd_bwd))
+                _drain()
             except Exception as exc:  # noqa: BLE001 - reported in the row like a failed make()
                 row["error"] = _error(exc)
                 live.remove((row, fwd, fwd_bwd))
-    for row, _fwd, fwd_bwd in live:
+            spent[id(row)] += time.perf_counter() - start
+    for row, fwd, fwd_bwd in live:
         try:
-            row["fwd_ms"] = statistics.median(times[id(row)]["fwd"])
-            row["fwd_bwd_ms"] = statistics.median(times[id(row)]["fwd_bwd"])
-            row["fwd_bwd_ms_rounds"] = times[id(row)]["fwd_bwd"]
-            row["fwd_wall_ms"] = _wall_ms(fwd)
-            row["fwd_bwd_wall_ms"] = _wall_ms(fwd_bwd)
-            row["extra_mib"] = _extra_peak_mib(fwd_bwd)
+            with time_limit(left(row)):
+                row["fwd_ms"] = statistics.median(times[id(row)]["fwd"])
+                row["fwd_bwd_ms"] = statistics.median(times[id(row)]["fwd_bwd"])
+                row["fwd_bwd_ms_rounds"] = times[id(row)]["fwd_bwd"]
+                row["fwd_wall_ms"] = _wall_ms(fwd, reps[id(row)][1])
+                row["fwd_bwd_wall_ms"] = _wall_ms(fwd_bwd, reps[id(row)][1])
+                row["extra_mib"] = _extra_peak_mib(fwd_bwd)
+                if budget is not None:
+                    row["reps"] = list(reps[id(row)])
             if case.bytes_fwd:
                 row["fwd_gbps"] = case.bytes_fwd / row["fwd_ms"] / 1e6
             if case.bytes_fwd_bwd:
                 row["fwd_bwd_gbps"] = case.bytes_fwd_bwd / row["fwd_bwd_ms"] / 1e6
             if case.flops_fwd_bwd:
                 row["tflops"] = case.flops_fwd_bwd / row["fwd_bwd_ms"] / 1e9
+        except Timeout as exc:
+            row["error"] = str(exc)
+            _drain()
         except Exception as exc:  # noqa: BLE001
             row["error"] = _error(exc)
     live.clear()
@@ -353,7 +459,8 @@ def format_table(rows: list[dict], ceil: Ceilings) -> str:
         best_wall = min((r.get("fwd_bwd_wall_ms", math.inf) for r in ok), default=None)
         for r in group:
             if "error" in r:
-                lines.append(f"| {op} | {shape} | {r['impl']} | error: {r['error']} |||||||||||")
+                what = r["error"] if r["error"].startswith("timeout") else f"error: {r['error']}"
+                lines.append(f"| {op} | {shape} | {r['impl']} | {what} |||||||||||")
                 continue
             marks = "/".join(
                 m

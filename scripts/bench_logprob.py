@@ -15,6 +15,10 @@ do_bench, both with L2 flushed; extra peak memory of one fwd+bwd), bf16, random 
   and eager torch.
 
 A peer that is not installed (liger_kernel) or fails at a shape gets an error row, not a crash.
+The divergence cases time each implementation for about DIVERGENCE_BUDGET's seconds (fewer
+repetitions for the slow ones: eager holds ~12 [N, V] fp32 temporaries, 112 GiB, and takes a few
+hundred ms a call) and stop one that runs past its limit with a "timeout" row; the whole
+`--only divergence` run is meant to take about 90 s on an H200.
 
     python scripts/bench_logprob.py [--out results.json] [--quick] [--only logprob|divergence]
 """
@@ -34,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_harness import (  # noqa: E402
     TRAINING_VARIANT,
+    Budget,
     Case,
     Impl,
     dump,
@@ -45,6 +50,10 @@ from bench_harness import (  # noqa: E402
 DT = torch.bfloat16
 VOCAB = 151936
 IGNORE_FRACTION = 0.05
+# Per implementation of a divergence case: ~3 s of timed calls (the repetitions scaled down from
+# the harness's 30 x 3 rounds + 20 wall calls, which at 60-300 ms a call took minutes per case),
+# and 25 s at most, Triton's first-call builds and config timing included.
+DIVERGENCE_BUDGET = Budget(per_impl_s=3.0, limit_s=25.0)
 
 
 def _ours(module: str):
@@ -228,6 +237,7 @@ def divergence_case(n: int, h_student: int, h_teacher: int, beta: float, vocab: 
             Impl("ours", ours),
         ],
         flops_fwd_bwd=flops,
+        budget=DIVERGENCE_BUDGET,
     )
 
 
