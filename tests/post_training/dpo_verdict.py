@@ -176,8 +176,11 @@ def verdict(plain: list[Step], ours: list[Step]) -> str:
     - per-token log-probs of the policy and of the reference (the only values our kernels hand
       the loss): relative distance <= FACTOR x plain's. Thousands of tokens: steady from run
       to run, and no floor needed (bf16 log-probs are never within fp32 of exact);
-    - the noise of the log-ratios: sigma_L (loss_noise) <= FACTOR x plain's. Both are 0 where
-      policy and reference compute the same bits (step 1); ours must then be 0 too;
+    - the noise of the log-ratios: sigma_L (loss_noise) <= FACTOR x plain's, or <= the fp32
+      rounding of the sums. At step 1 policy and reference have the same weights: plain's
+      sigma_L is 0 (the same bits twice); ours runs the policy through the op that saves for
+      the backward and the reference through the no-grad one, whose fp32 per-token values
+      may differ by an ulp (seen on the H200: margins off by 3e-6 nats, sigma_L 1e-7);
     - the loss: |loss - exact| <= Z sigma_L(ours) + the fp32 rounding of the sums. The loss is
       a sigmoid of a difference of log-prob sums that the first steps barely move, so its error
       is the log-ratio noise summed, a zero-mean draw as large as the signal; comparing two such
@@ -198,7 +201,7 @@ def verdict(plain: list[Step], ours: list[Step]) -> str:
             if d_o > FACTOR * d_p:
                 return f"{at} {name} log-probs: {d_o:.3e} from exact > {FACTOR} x plain {d_p:.3e}"
         s_o, s_p = loss_noise(o), loss_noise(p)
-        if s_o > FACTOR * s_p:
+        if s_o > max(FACTOR * s_p, sums_rounding(o)):
             return f"{at} log-ratio noise: sigma_L {s_o:.3e} > {FACTOR} x plain {s_p:.3e}"
         err, tol = abs(o.loss - o.loss_exact), Z * s_o + sums_rounding(o)
         if err > tol:
