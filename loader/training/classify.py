@@ -562,14 +562,27 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
     return Verdict("loss", layer, attributes=attributes)
 
 
+_KV_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
 def _builds_dynamic_cache(decoder: nn.Module) -> bool:
     """Whether the decoder's forward makes transformers' ``DynamicCache`` from its config when
-    asked to cache: the loss layers then hand it one that copies nothing (``step_cache``)."""
+    asked to cache, with key/value layers only (no recurrent state of a hybrid): the loss
+    layers then hand it one that copies nothing (``step_cache``)."""
     try:
         source = inspect.getsource(inspect.unwrap(type(decoder).forward))
     except (OSError, TypeError):
         return False
-    return "= DynamicCache(config=self.config)" in source
+    if "= DynamicCache(config=self.config)" not in source:
+        return False
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = getattr(decoder, "config", None)
+    try:
+        kinds, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    except Exception:  # a config transformers' own cache cannot be made from
+        return False
+    return set(kinds) <= _KV_LAYERS
 
 
 # `decoder_outputs = self.decoder(..., labels=labels, ...)` and `loss=decoder_outputs.loss`

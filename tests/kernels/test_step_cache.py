@@ -165,3 +165,14 @@ def test_masking_reads_the_export_flag_after_binding(local_kernels, monkeypatch)
     )
     traced = torch.compile(lambda x: x + int(masking.is_torchdynamo_exporting()), fullgraph=True)
     assert traced(torch.zeros(())).item() == 0  # read in a trace as the flag's value
+
+
+def test_a_hybrid_decoder_gets_no_step_cache(local_kernels):
+    """Jamba's DynamicCache holds recurrent (mamba) layers, which a step cache would hand
+    attention's calls (ValueError from get_seq_length): the step runs as without a cache."""
+    plain, bound = pair("jamba")
+    assert not getattr(type(bound), "kernels_step_cache", False)
+    ids = torch.randint(0, 256, (2, 16))
+    out = bound(input_ids=ids, labels=ids)
+    ref = plain(input_ids=ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)

@@ -55,8 +55,9 @@ def _cache_class() -> type:
 def step_cache(model: nn.Module, attention_mask, position_ids):
     """A cache for ``model.model`` in a training step that asked for none, or None where it
     would change what the step computes: positions or a mask given (packed sequences are found
-    there), a decoder that builds no ``DynamicCache`` of its own (the loader's probe sets
-    ``kernels_step_cache``), or gradient checkpointing (its layers drop any cache)."""
+    there), a decoder that builds no ``DynamicCache`` of its own or one with other layers than
+    key/value ones (the loader's probe sets ``kernels_step_cache``; checked again here), or
+    gradient checkpointing (its layers drop any cache)."""
     if attention_mask is not None or position_ids is not None:
         return None
     if not getattr(model, "kernels_step_cache", False):
@@ -65,7 +66,14 @@ def step_cache(model: nn.Module, attention_mask, position_ids):
         return None
     if not _CLASS and torch.compiler.is_compiling():
         return None  # Dynamo cannot trace a class statement; made at import, see below
-    return _cache_class()(config=model.model.config)
+    cache = _cache_class()(config=model.model.config)
+    # the probe saw key/value layers only; another instance of the class may hold recurrent ones
+    if not all(type(layer).__name__ in _KV_LAYERS for layer in cache.layers):
+        return None
+    return cache
+
+
+_KV_LAYERS = {"DynamicLayer", "DynamicSlidingWindowLayer"}
 
 
 # A model exists before its kernels load, so transformers' cache module is there to subclass:
