@@ -74,14 +74,12 @@ def apply(model, config: str, **kwargs) -> None:
     """Patch ``model`` with Liger in ``config`` (CONFIGS); ``kwargs`` go to its apply function
     (those it does not take are dropped, as Liger's own instance entry point does). Raises what
     Liger raises."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
     if config == "default":
-        _apply_liger_kernel_to_instance(model=model, **kwargs)
+        _apply(model, kwargs)
         return
     kwargs = {**kwargs, "fused_linear_cross_entropy": False}
     if config == "no-flce":
-        _apply_liger_kernel_to_instance(model=model, **kwargs)
+        _apply(model, kwargs)
         return
     if config != "modules":
         raise ValueError(f"unknown Liger configuration {config!r}; use one of {CONFIGS}")
@@ -91,7 +89,26 @@ def apply(model, config: str, **kwargs) -> None:
     except ImportError as exc:
         why = short_error(exc, 120)
         sys.modules[name] = _placeholder(name, why)
-    _apply_liger_kernel_to_instance(model=model, **kwargs)
+    _apply(model, kwargs)
+
+
+def _apply(model, kwargs: dict) -> None:
+    """Liger's apply function for the model's type on the instance, as its
+    ``_apply_liger_kernel_to_instance`` calls it, except that a function taking ``**kwargs``
+    (InternVL, LLaVA, SmolVLM: they hand them to the text model's function) gets them all, so
+    that switches such as ``swiglu=False`` reach the text model."""
+    import inspect
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = model.config.model_type
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is None:
+        raise ValueError(f"Liger has no patch for model type {model_type!r}")
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    fn(model=model, **kwargs)
 
 
 def apply_strongest(model, **kwargs) -> tuple[str, str]:
