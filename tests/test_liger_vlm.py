@@ -56,4 +56,6 @@ def test_qwen2_5_vl_falls_back_to_its_module_patches():
     patched = next(x for x in out.splitlines() if x.startswith("PATCHED"))
     assert "Qwen2_5_VLRMSNorm" in patched and "Qwen2MLP" in patched, patched
     # the fused-loss forward it imported is the placeholder, which never runs silently
-    assert "PLACEHOLDER liger_kernel.transformers.model.qwen2_5_vl.lce_forward is unavailable" in out
+    assert (
+        "PLACEHOLDER liger_kernel.transformers.model.qwen2_5_vl.lce_forward is unavailable" in out
+    )

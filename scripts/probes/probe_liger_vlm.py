@@ -60,7 +60,10 @@ def child(model_type: str, config: str, device: str) -> dict:
                               if p.grad is not None))  # fmt: skip
         return loss.item(), norm.item()
 
-    ref = step(plain)
+    try:
+        ref = step(plain)
+    except Exception as exc:  # noqa: BLE001 - the plain model itself fails here
+        return {**row, "stage": "plain model", "error": liger_vlm.short_error(exc)}
     kwargs = liger_vlm.CPU_OFF if device == "cpu" else {}
     try:
         liger_vlm.apply(patched, config, **kwargs)
