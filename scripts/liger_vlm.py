@@ -44,10 +44,13 @@ def describe(config: str, why: str = "") -> str:
 def short_error(exc: BaseException, width: int = 160) -> str:
     """``Type: first line`` of an exception, the installed packages' folder written ``<site>``
     (a table that is committed names no path of the machine it ran on)."""
-    import liger_kernel
+    text = (str(exc).splitlines() or [""])[0]
+    try:
+        import liger_kernel
 
-    site = str(Path(liger_kernel.__file__).resolve().parents[1])
-    text = (str(exc).splitlines() or [""])[0].replace(site, "<site>")
+        text = text.replace(str(Path(liger_kernel.__file__).resolve().parents[1]), "<site>")
+    except ImportError:
+        pass
     return f"{type(exc).__name__}: {text[:width]}"
 
 
@@ -120,6 +123,10 @@ def apply_strongest(model, **kwargs) -> tuple[str, str]:
         try:
             apply(model, config, **kwargs)
             return config, why
+        except ModuleNotFoundError as exc:
+            if exc.name == "liger_kernel":
+                raise  # no Liger at all: no configuration can run
+            why = f"{config} raised {short_error(exc, 120)}"
         except Exception as exc:  # noqa: BLE001 - the next configuration, and the row says why
             why = f"{config} raised {short_error(exc, 120)}"
     raise RuntimeError(f"no Liger configuration applies ({why})")
