@@ -648,8 +648,9 @@ def table(rows: list[dict], steps: int, warmup: int) -> str:
     ]
     notes = []
     for r in rows:
+        name = r.get("label", r["setup"])  # a setup's configuration where it has several
         if "error" in r:
-            lines.append(f"| {r['setup']} | error: {_cell(r['error'])} | | | | | | |")
+            lines.append(f"| {name} | error: {_cell(r['error'])} | | | | | | |")
             continue
         own = (r.get("steps", steps), r.get("warmup", warmup))
         if own != (steps, warmup):
@@ -665,7 +666,7 @@ def table(rows: list[dict], steps: int, warmup: int) -> str:
         if liger and r.get("peak_gib") is not None and liger.get("peak_gib"):
             memory = f"{r['peak_gib'] / liger['peak_gib']:.2f}x"
         lines.append(
-            f"| {r['setup']} | {r['step_ms']:.0f} ms | {r['tokens_per_s'] / 1e3:.1f} k | {peak} "
+            f"| {name} | {r['step_ms']:.0f} ms | {r['tokens_per_s'] / 1e3:.1f} k | {peak} "
             f"| {speed} | {memory} | {diff} | {r['losses'][-1]:.4f} |"
         )
     if notes:

@@ -7,18 +7,23 @@ pooled to 256 image tokens), internvl (InternVL3-2B: InternViT-300M at 448 x 448
 to 256 tokens, Qwen2.5-1.5B text). Random init, bf16, SDPA attention, AdamW. ``--text-layers`` /
 ``--vision-layers`` take the first N layers of each tower (the header says so); by default all.
 
-Setups:
+Setups (each in its own process; every process builds the model from the config with seed 0 on
+the device, so all start from the same weights without a checkpoint on disk; each row records a
+checksum of its initial weights and the table says if they differ):
   eager   transformers as is
   ours    ``kernels.apply_training_kernels(model)`` (kernels from a ``kernels serve`` mirror of
           hub_kernels/ that this script starts)
-  liger   liger_kernel's ``_apply_liger_kernel_to_instance(model=model)`` (imported in its
-          process only); where that raises (Liger 0.8.5's fused-loss forwards import output
-          classes some transformers versions lack), the same without its fused loss, and the
-          row says so
+  liger   Liger in the strongest configuration that runs on the installed transformers
+          (scripts/liger_vlm.py: its default with the fused linear cross-entropy forward, else
+          without that forward, else its norm/MLP/RoPE patches alone where its fused-loss module
+          does not even import); ``--liger-config auto`` tries them in that order, a process
+          per try where one fails while training; the table names the one that ran
 
 Reports step time (median after warm-up), tokens/s (every position of the text, image tokens
 included), peak memory, both relative to Liger's, and the loss against eager; the table and
 the JSON go to --out. The child processes, timeouts and table are scripts/bench_train.py's.
+Defaults fit one family's whole run in ~4 min on an H200: 10 steps, the median of steps 4-10,
+180 s per setup.
 
     python scripts/bench_vlm.py --family qwen2_5_vl --out docs/benchmarks/vlm     # GPU
     python scripts/bench_vlm.py --smoke --family gemma3                           # CPU plumbing
@@ -43,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_train  # noqa: E402
+from liger_vlm import CONFIGS as LIGER_CONFIGS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +146,9 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def save_model(path: Path, args) -> None:
-    """The family's model, random init (seed 0), saved for every setup's process to load."""
+def build_model(args, device: str):
+    """The family's model, random init with seed 0, built on ``device`` in bf16 (the smoke run:
+    the tiny model, fp32, on the CPU)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -149,24 +156,37 @@ def save_model(path: Path, args) -> None:
     if args.smoke:
         from tests.models.vlm_registry import build_vlm
 
-        model = build_vlm(FAMILIES[args.family].model_type)
+        return build_vlm(FAMILIES[args.family].model_type).to(torch.bfloat16)
+    config = FAMILIES[args.family].config(args.text_layers, args.vision_layers)
+    with torch.device(device):
+        return AutoModelForImageTextToText.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=args.attn
+        )
+
+
+def weights_checksum(model) -> float:
+    """A sum over every initial weight: equal across setups when they start from one model."""
+    import torch
+
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters()))
+
+
+def apply_liger(model, config: str, device: str) -> tuple[str, str]:
+    """Liger's patch in ``config`` (auto: the strongest that applies); (configuration, note).
+    On the CPU (plumbing) the patches whose kernels the Triton interpreter cannot run are off."""
+    import liger_vlm
+
+    kwargs = liger_vlm.CPU_OFF if device == "cpu" else {}
+    if config == "auto":
+        config, why = liger_vlm.apply_strongest(model, **kwargs)
     else:
-        config = FAMILIES[args.family].config(args.text_layers, args.vision_layers)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-
-
-def apply_liger(model) -> str:
-    """Liger's instance patch; "" when it applied, else what failed and what ran instead."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    try:
-        _apply_liger_kernel_to_instance(model=model)
-        return ""
-    except Exception as exc:  # noqa: BLE001 - the row says it, and what was applied instead
-        why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
-    _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False)
-    return f"its default patch raised ({why}); run without its fused loss"
+        liger_vlm.apply(model, config, **kwargs)
+        why = ""
+    note = liger_vlm.describe(config, why)
+    if kwargs:
+        note += "; CPU: its norm and MLP patches off (the Triton interpreter cannot run them)"
+    return config, note
 
 
 def child(args) -> dict:
@@ -176,24 +196,23 @@ def child(args) -> dict:
     watch = bench_supervise.Watchdog(args.child, args.heartbeat)
     watch.phase("import torch")
     import torch
-    from transformers import AutoModelForImageTextToText
 
     from tests.models.vlm_registry import vlm_batches
 
     family, device = FAMILIES[args.family], args.device
-    watch.phase("load")
+    watch.phase("build")
     t0 = time.perf_counter()
-    kwargs = {"dtype": torch.bfloat16, "attn_implementation": args.attn}
-    model = AutoModelForImageTextToText.from_pretrained(args.model_dir, **kwargs).to(device)
+    model = build_model(args, device).to(device)
     model.train()
-    note = ""
+    checksum = weights_checksum(model)
+    note, liger_config = "", None
     if args.child == "ours":
         import kernels
 
         kernels.apply_training_kernels(model)
     elif args.child == "liger":
-        note = apply_liger(model)
-        watch.say(f"Liger's picks: {bench_train.liger_backends(device)}")
+        liger_config, note = apply_liger(model, args.liger_config, device)
+        watch.say(f"Liger {liger_config}; its picks: {bench_train.liger_backends(device)}")
     load_s = time.perf_counter() - t0
     watch.phase("batches")
     side = 0 if args.smoke else family.side  # the tiny model's own images when smoking
@@ -219,7 +238,11 @@ def child(args) -> dict:
         "warmup": args.warmup,
         "losses": losses,
         "note": note,
+        "init_checksum": checksum,
     }
+    if liger_config is not None:
+        out["liger_config"] = liger_config
+        out["label"] = f"liger ({liger_config})"
     if args.child == "ours":
         out.update(bench_train.binding_summary(model))
     return out
@@ -235,20 +258,36 @@ def run_all(args) -> int:
     rows: list[dict] = []
     server = None
     try:
-        log(f"{args.family}: saving the model (random init)")
-        save_model(work / "model", args)
         server, env = bench_train.start_mirror(work)
         for setup in setups:
-            cmd = [sys.executable, __file__, "--child", setup, "--model-dir", str(work / "model"),
-                   "--family", args.family, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--batch", str(args.batch),
-                   "--text", str(args.text), "--device", args.device, "--attn", args.attn,
-                   "--heartbeat", str(args.heartbeat)] + (["--smoke"] if args.smoke else [])  # fmt: skip
-            log(f"{setup}: start ({args.steps} steps)")
-            t = time.perf_counter()
-            rows.append(bench_train.run_setup(setup, cmd, env, args.setup_timeout))
-            rows[-1]["wall_s"] = time.perf_counter() - t
-            log(f"{setup}: done in {rows[-1]['wall_s']:.0f} s")
+            configs = [args.liger_config] if setup == "liger" else [None]
+            if setup == "liger" and args.liger_config == "auto":
+                configs = ["auto", *LIGER_CONFIGS[1:]]
+            for config in configs:
+                cmd = [sys.executable, __file__, "--child", setup, "--family", args.family,
+                       "--steps", str(args.steps), "--warmup", str(args.warmup),
+                       "--batch", str(args.batch), "--text", str(args.text),
+                       "--device", args.device, "--attn", args.attn,
+                       "--heartbeat", str(args.heartbeat)] + (["--smoke"] if args.smoke else [])  # fmt: skip
+                if args.text_layers:
+                    cmd += ["--text-layers", str(args.text_layers)]
+                if args.vision_layers:
+                    cmd += ["--vision-layers", str(args.vision_layers)]
+                if config is not None:
+                    cmd += ["--liger-config", config]
+                log(f"{setup}: start ({args.steps} steps{f', Liger {config}' if config else ''})")
+                t = time.perf_counter()
+                # Liger's Triton kernels run on the CPU only under the interpreter
+                child_env = {**env, "TRITON_INTERPRET": "1"} if liger_on_cpu(args, setup) else env
+                row = bench_train.run_setup(setup, cmd, child_env, args.setup_timeout)
+                row["wall_s"] = time.perf_counter() - t
+                if config is not None and "error" in row:
+                    row["label"] = f"liger ({config})"
+                rows.append(row)
+                log(f"{setup}: done in {row['wall_s']:.0f} s")
+                error = row.get("error", "")
+                if not error or "killed after" in error or "No module named 'liger" in error:
+                    break  # ran; or ran out of time, or no Liger: a weaker patch would not help
     finally:
         if server is not None:
             server.terminate()
@@ -258,7 +297,10 @@ def run_all(args) -> int:
         + "\n\n"
         + bench_train.table(rows, args.steps, args.warmup)
     )
-    notes = [f"{r['setup']}: {r['note']}." for r in rows if r.get("note")]
+    notes = [f"{r.get('label', r['setup'])}: {r['note']}." for r in rows if r.get("note")]
+    sums = {r["setup"]: r["init_checksum"] for r in rows if "init_checksum" in r}
+    if len(set(sums.values())) > 1:
+        notes.append(f"The setups did not start from the same weights (checksums {sums}).")
     text += ("\n\n" + "\n".join(notes)) if notes else ""
     print(text, flush=True)
     if args.out:
@@ -267,6 +309,10 @@ def run_all(args) -> int:
         (out / f"vlm-{args.family}.json").write_text(json.dumps(rows, indent=1))
         (out / f"vlm-{args.family}.md").write_text(text + "\n")
     return 0
+
+
+def liger_on_cpu(args, setup: str) -> bool:
+    return setup == "liger" and args.device == "cpu"
 
 
 def header(args, family: Family, commit: str, rows: list[dict]) -> str:
@@ -297,7 +343,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl")
     p.add_argument("--setups", default="eager,ours,liger")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, help="samples per step (default: the family's)")
     p.add_argument("--text", type=int, help="text tokens per sample (default: the family's)")
@@ -305,18 +351,23 @@ def main() -> int:
     p.add_argument("--vision-layers", type=int, help="the first N vision layers (default: all)")
     p.add_argument("--attn", default="sdpa", help="attn_implementation")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--setup-timeout", type=float, help="seconds before a setup is killed")
+    p.add_argument("--liger-config", default="auto", choices=["auto", *LIGER_CONFIGS],
+                   help="Liger's configuration (scripts/liger_vlm.py); auto: the strongest "
+                   "that runs")  # fmt: skip
+    p.add_argument("--setup-timeout", type=float,
+                   help="seconds before a setup is killed (default 180; none with --smoke)")  # fmt: skip
     p.add_argument("--heartbeat", type=float, default=30.0)
     p.add_argument("--smoke", action="store_true", help="the tiny model on the CPU (plumbing)")
     p.add_argument("--out", help="folder for vlm-<family>.json and .md")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     family = FAMILIES[args.family]
     if args.smoke:
         args.device = "cpu"
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
         args.batch, args.text = args.batch or 2, args.text or 16
+    elif args.setup_timeout is None:
+        args.setup_timeout = 180.0
     args.batch = args.batch or family.batch
     args.text = args.text or family.text
     if args.child:

@@ -37,7 +37,16 @@ def test_smoke_run_writes_one_table_with_every_setup(tmp_path, setups):
         assert layer in bound, bound
     if "liger" not in setups:
         return
+    liger = [name for name in rows if name.startswith("liger")]
     try:
         import liger_kernel  # noqa: F401
     except ImportError:
-        assert "error: ModuleNotFoundError: No module named 'liger_kernel'" in rows["liger"]
+        assert liger == ["liger (auto)"], rows
+        assert "error: ModuleNotFoundError: No module named 'liger_kernel'" in rows[liger[0]]
+        return
+    # Liger 0.8.5's Qwen2.5-VL fused-loss module does not import on transformers 5.24: the
+    # strongest patch that runs is its module patches, and the table says so
+    ran = [name for name in liger if "error" not in rows[name]]
+    assert len(ran) == 1 and " ms | " in rows[ran[0]], md
+    assert ran[0] in {"liger (default)", "liger (no-flce)", "liger (modules)"}, ran
+    assert f"{ran[0]}: Liger" in md, md  # the note under the table names the configuration

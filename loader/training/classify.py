@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -171,7 +171,34 @@ def _param_dims(module: nn.Module, name: str) -> int | None:
     return None if p is None else p.dim()
 
 
-def norm_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict:
+def norm_verdict(
+    module: nn.Module,
+    available: Callable[[str], str | None],
+    variants: Sequence[nn.Module] = (),
+) -> Verdict:
+    """The layer for ``module``'s class. ``variants``: one instance of the class per other
+    parameter layout in the model (MuseGlimmer's RMSNorm, weighted and scale-free). A class binds
+    one layer: a weighted layout's, which also serves the weight-less instances where its formula
+    without a weight is the weight-less norm (WEIGHTLESS_SERVED_BY); other layouts keep their
+    forward."""
+    found = [(m, _norm_layout_verdict(m, available)) for m in (module, *variants)]
+    bound = [(m, v) for m, v in found if v.layer]
+    if not bound:
+        return found[0][1]
+    layer = next((v.layer for _, v in bound if v.layer != "WeightlessRMSNorm"), bound[0][1].layer)
+    layouts = {
+        _layout(m)
+        for m, v in bound
+        if v.layer == layer or (v.layer == "WeightlessRMSNorm" and layer in WEIGHTLESS_SERVED_BY)
+    }
+    return Verdict("norm", layer, condition=lambda m: _layout(m) in layouts)
+
+
+# Norm layers whose forward, given an instance without a weight, computes the weight-less norm.
+WEIGHTLESS_SERVED_BY = frozenset({"RMSNormFloatWeight"})
+
+
+def _norm_layout_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict:
     cls = type(module)
     if not probes.one_tensor_forward(cls):
         return Verdict("norm", None, "forward takes more than the hidden states (a gated norm)")
@@ -186,18 +213,23 @@ def norm_verdict(module: nn.Module, available: Callable[[str], str | None]) -> V
     missing = available(layer)
     if missing:
         return Verdict("norm", None, missing)
-    return Verdict("norm", layer, condition=_same_norm_shape(module))
+    return Verdict("norm", layer)
 
 
-def _same_norm_shape(module: nn.Module) -> Callable[[nn.Module], bool]:
-    """Instances of one class may differ (elementwise_affine=False, a 2-D q/k-norm weight): bind
-    only those with the parameters the probed one had."""
-    shape = {n: p.dim() for n, p in module._parameters.items() if p is not None}
+def _layout(module: nn.Module) -> frozenset:
+    """Which parameters an instance holds and their ranks: instances of one class may differ
+    (elementwise_affine=False, a 2-D q/k-norm weight, MuseGlimmer's with_scale=False)."""
+    return frozenset((n, p.dim()) for n, p in module._parameters.items() if p is not None)
 
-    def same(m: nn.Module) -> bool:
-        return {n: p.dim() for n, p in m._parameters.items() if p is not None} == shape
 
-    return same
+def norm_layouts(model: nn.Module, module: nn.Module) -> list[nn.Module]:
+    """One instance of ``module``'s class in ``model`` per parameter layout it does not have."""
+    seen, found = {_layout(module)}, []
+    for m in model.modules():
+        if type(m) is type(module) and (key := _layout(m)) not in seen:
+            seen.add(key)
+            found.append(m)
+    return found
 
 
 def mlp_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict | None:
@@ -1000,7 +1032,7 @@ def classify(
         elif (v := mlp_verdict(module, available)) is not None:
             verdict = v
         elif is_norm(module):
-            verdict = norm_verdict(module, available)
+            verdict = norm_verdict(module, available, norm_layouts(model, module))
         elif (v := rotary_embedding_verdict(module, available)) is not None:
             verdict = v
         elif not module._parameters and not module._modules:

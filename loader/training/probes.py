@@ -121,9 +121,11 @@ def probe_norm(module: nn.Module) -> tuple[str | None, str]:
     if eps is None:
         return None, "no epsilon attribute (variance_epsilon / eps)"
     width = norm_width(module)
+    params = dict(module.named_parameters(recurse=False))
+    if width is None and not params:
+        width = 8  # a norm with no parameters fixes no width (MuseGlimmer's scale-free norms)
     if width is None:
         return None, "weight is not one vector over the last dim"
-    params = dict(module.named_parameters(recurse=False))
     if set(params) - {"weight", "bias"}:
         return None, f"parameters {sorted(params)} are not weight/bias"
     has_weight, has_bias = "weight" in params, "bias" in params

@@ -114,10 +114,11 @@ def test_vision_rotary_at_qwen2_5_vl_3b_shape(kt, dtype):
     _check(k.grad, k64.grad, dtype, "dk")
 
 
-@pytest.mark.parametrize("act", ["gelu_tanh", "quick_gelu", "gelu"])
+@pytest.mark.parametrize("act", ["gelu_tanh", "quick_gelu", "gelu", "relu"])
 def test_gelu_mlp_at_siglip_so400m_shape(kt, act):
     """SigLIP-so400m's MLP (1152 -> 4304 -> 1152, biases), 4096 patches, bf16, every gradient;
-    the lean path's activation kernels launch."""
+    the lean path's activation kernels launch. relu: the code GELUMLP serves T5's and UDOP's
+    wi -> relu -> wo with (the shape is SigLIP's; the activation is what is checked)."""
     import math
     import types
 
@@ -137,7 +138,9 @@ def test_gelu_mlp_at_siglip_so400m_shape(kt, act):
     p64 = {n: p.detach().double().requires_grad_() for n, p in m.named_parameters()}
     x64 = x.detach().double().requires_grad_()
     u = x64 @ p64["fc1.weight"].t() + p64["fc1.bias"]
-    if act == "gelu":
+    if act == "relu":
+        h = torch.relu(u)
+    elif act == "gelu":
         h = 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
     elif act == "gelu_tanh":
         h = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
@@ -149,6 +152,70 @@ def test_gelu_mlp_at_siglip_so400m_shape(kt, act):
     _check(x.grad, x64.grad, torch.bfloat16, "dx")
     for name, p in m.named_parameters():
         _check(p.grad, p64[name].grad, torch.bfloat16, f"d {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gelu_norm_mlp_at_kosmos_2_5_shape(kt, dtype):
+    """Kosmos-2.5's text FFN (1536 -> 6144, LayerNorm, -> 1536, biases, GELU), 2 x 2048 tokens:
+    ``fc2(ffn_layernorm(gelu(fc1(x))))`` with the activation kernel, every gradient against
+    float64."""
+    import math
+    import types
+
+    m = torch.nn.Module()
+    m.fc1 = torch.nn.Linear(1536, 6144, device="cuda", dtype=dtype)
+    m.ffn_layernorm = torch.nn.LayerNorm(6144, eps=1e-5, device="cuda", dtype=dtype)
+    m.fc2 = torch.nn.Linear(6144, 1536, device="cuda", dtype=dtype)
+    with torch.no_grad():  # a norm weight and bias away from 1 and 0, so both show
+        m.ffn_layernorm.weight.uniform_(0.5, 1.5)
+        m.ffn_layernorm.bias.uniform_(-0.5, 0.5)
+    m.kernels_mlp_projections = ("fc1", "ffn_layernorm", "fc2")
+    m.kernels_mlp_activation = "gelu"
+    x = torch.randn(2, 2048, 1536, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, 2048, 1536, device="cuda", dtype=dtype)
+    out = {}
+
+    def call():
+        out["y"] = types.MethodType(kt.vision_layers.GELUNormMLP.forward, m)(x)
+        out["y"].backward(dy)
+
+    assert "_act_fwd_kernel" in _launched(kt, call)
+    p64 = {n: p.detach().double().requires_grad_() for n, p in m.named_parameters()}
+    x64 = x.detach().double().requires_grad_()
+    u = x64 @ p64["fc1.weight"].t() + p64["fc1.bias"]
+    h = 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
+    h = torch.nn.functional.layer_norm(
+        h, (6144,), p64["ffn_layernorm.weight"], p64["ffn_layernorm.bias"], 1e-5
+    )
+    ref = h @ p64["fc2.weight"].t() + p64["fc2.bias"]
+    ref.backward(dy.double())
+    _check(out["y"], ref, dtype, "y")
+    _check(x.grad, x64.grad, dtype, "dx")
+    for name, p in m.named_parameters():
+        _check(p.grad, p64[name].grad, dtype, f"d {name}")
+
+
+# Round 2's binding rules (issue 32), first run on a GPU here: type -> layers that must bind in
+# the text model, and what each rule is
+ROUND_2 = {
+    "idefics": {"CausalLMHead", "GELUMLP", "SwiGLUMLP"},  # a Linear-subclass head
+    "pix2struct": {"CausalLMHead", "GeGLUMLP", "RMSNorm"},  # the decoder's loss
+    "udop": {"CausalLMHead", "GELUMLP", "RMSNorm"},  # GELUMLP with relu; decoder inputs
+    "kosmos-2.5": {"CausalLMHead", "GELUNormMLP", "LayerNorm"},  # a norm between projections
+    "muse_glimmer": {"CausalLMHead", "RMSNormFloatWeight", "GemmaRMSNorm", "SwiGLUMLP"},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(ROUND_2))
+def test_round_2_rules_bind_and_match_in_bf16(mirror, model_type):
+    """The tiny model with images in bf16 on the GPU: as near float64 as the plain model, with
+    the round-2 layers bound (GELUMLP's relu code, GELUNormMLP, the heads' loss rules, a norm
+    class with a scale-free layout)."""
+    outcome = run_vlm(model_type, device="cuda", dtype=torch.bfloat16)
+    assert outcome.status == "match", (outcome.reason, outcome.loss_diff, outcome.grad_diff)
+    d = outcome.details
+    bound = set(d["text_bound"]) | set(d["head_bound"])
+    assert ROUND_2[model_type] <= bound, (ROUND_2[model_type] - bound, d["text_unbound"])
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3", "llava", "qwen3_vl"])

@@ -52,6 +52,24 @@ def test_weightless_rms_norm(kt, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_float_weight_on_an_instance_without_a_weight(kt, dtype):
+    """MuseGlimmer's with_scale=False RMSNorm (no weight attribute at all, ``eps``) over a q/k
+    norm's [B, T, H, D]: the weight-less norm, x_hat cast, gradients against float64."""
+    m = Holder()
+    m.eps, m.with_scale = 1e-6, False
+    x = torch.randn(2, 5, 3, 16, dtype=dtype, requires_grad=True)
+    y = _bind(kt.layers.RMSNormFloatWeight, m)(x)
+    assert y.dtype == dtype and not hasattr(m, "weight")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64 = leaf64(x)
+    ref = rms_norm64(x64, torch.ones(16, dtype=torch.float64), 1e-6)
+    ref.backward(dy.double())
+    assert_close(y, ref, dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_norm_without_bias_from_attributes(kt, dtype):
     """Cohere's LayerNorm: weight, no bias, variance_epsilon, no normalized_shape."""
     m = Holder()

@@ -567,3 +567,64 @@ def test_an_mlp_with_a_norm_between_its_projections_binds_gelunormmlp():
     dropping = _verdict(type("DroppingFFN", (NormedFFN,), {})(p=0.1))
     assert dropping.layer is None
     assert dropping.reason == "applies dropout (activation_dropout) the fused layer does not"
+
+
+# -- a norm class with a weighted and a scale-free layout (MuseGlimmer's RMSNorm) ----------------
+
+
+class OptionalScaleNorm(nn.Module):
+    """RMS over the last dim in fp32, times the weight in fp32 where the instance holds one
+    (``with_scale=False`` holds none and records no width); one cast at the end."""
+
+    def __init__(self, dim=None, eps=1e-6, with_scale=True):
+        super().__init__()
+        self.eps, self.with_scale = eps, with_scale
+        if with_scale:
+            self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, hidden_states):
+        x = hidden_states.float()
+        y = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.with_scale:
+            y = y * self.weight.float()
+        return y.type_as(hidden_states)
+
+
+class OptionalScaleLlamaNorm(OptionalScaleNorm):
+    """The same with Llama's casts: the weight multiplies the value already cast back."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.float()
+        y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden_states.dtype)
+        return self.weight * y if self.with_scale else y
+
+
+def _layouts_verdict(*modules):
+    return classify(Holder(*modules)).classes[type(modules[0])]
+
+
+def test_a_norm_class_with_a_scale_free_layout_binds_both_layouts():
+    """Whichever layout comes first, the class binds the fp32-weight layer, whose forward serves
+    an instance without a weight as the weight-less norm; a layout no layer fits (a 2-D weight)
+    keeps its forward."""
+    free, scaled = OptionalScaleNorm(with_scale=False), OptionalScaleNorm(16)
+    for first, second in ((free, scaled), (scaled, free)):
+        verdict = _layouts_verdict(first, second)
+        assert verdict.layer == "RMSNormFloatWeight", verdict
+        assert verdict.condition(free) and verdict.condition(scaled)
+    wide = OptionalScaleNorm(16)
+    wide.weight = nn.Parameter(torch.ones(2, 16))
+    verdict = _layouts_verdict(free, scaled, wide)
+    assert verdict.layer == "RMSNormFloatWeight" and not verdict.condition(wide)
+
+
+def test_a_scale_free_layout_alone_binds_the_weightless_norm():
+    verdict = _layouts_verdict(OptionalScaleNorm(with_scale=False))
+    assert verdict.layer == "WeightlessRMSNorm", verdict
+
+
+def test_a_layer_that_needs_the_weight_leaves_the_scale_free_instances_as_they_are():
+    free, scaled = OptionalScaleLlamaNorm(with_scale=False), OptionalScaleLlamaNorm(16)
+    verdict = _layouts_verdict(free, scaled)
+    assert verdict.layer == "RMSNorm", verdict
+    assert verdict.condition(scaled) and not verdict.condition(free)

@@ -70,6 +70,13 @@ REPRESENTATIVES = {
         "text": {"RMSNormFloatWeight", "ReLUSquaredMLP"},
         "head": {"CausalLMHead"},
     },
+    # MuseGlimmer: one RMSNorm class, weighted (the final norm) and scale-free (q/k, the
+    # embeddings' and the perception embeddings' norms), next to Gemma-style (1 + w) norms
+    "muse_glimmer": {
+        "text": {"GemmaRMSNorm", "RMSNormFloatWeight", "SwiGLUMLP", "rotary_pos_emb"},
+        "vision": {"LayerNorm", "GELUMLP", "RMSNormFloatWeight", "vision_rotary_pos_emb"},
+        "head": {"CausalLMHead"},
+    },
     # T5Gemma 2: an encoder-decoder, decoder inputs made from the labels, a masked-LM loss
     "t5gemma2": {
         "text": {"GemmaRMSNorm", "GeGLUMLP", "rotary_pos_emb"},
@@ -92,6 +99,17 @@ def test_representative_vlms_bind_and_match_with_images(mirror, model_type):
     for place, layers in REPRESENTATIVES[model_type].items():
         missing = layers - set(details[f"{place}_bound"])
         assert not missing, (place, missing, details[f"{place}_unbound"])
+
+
+def test_every_muse_glimmer_norm_binds_weighted_and_scale_free(mirror):
+    """Liger patches every MuseGlimmerRMSNorm, with_scale=False ones included: so do we."""
+    model = build_vlm("muse_glimmer")
+    report = kernels.apply_training_kernels(model)
+    norms = [n for n, m in model.named_modules() if type(m).__name__ == "MuseGlimmerRMSNorm"]
+    weightless = [n for n in norms if getattr(model.get_submodule(n), "weight", None) is None]
+    assert weightless and len(weightless) < len(norms), norms  # both layouts are there
+    assert {n: report[n].status for n in norms} == dict.fromkeys(norms, "bound")
+    assert {report[n].layer_name for n in norms} == {"RMSNormFloatWeight"}
 
 
 def test_kernel_config_for_a_vlm_checkpoint_is_accepted_by_transformers(mirror, tmp_path):

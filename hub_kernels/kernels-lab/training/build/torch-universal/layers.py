@@ -109,12 +109,16 @@ class GemmaRMSNorm(nn.Module):
 
 
 class RMSNormFloatWeight(nn.Module):
-    """OLMo2-style RMSNorm: ``(weight * x_hat).to(input dtype)``, the product in fp32."""
+    """OLMo2-style RMSNorm: ``(weight * x_hat).to(input dtype)``, the product in fp32. An
+    instance without a weight (one class with a scale-free variant: MuseGlimmer's
+    ``with_scale=False``) gets ``x_hat`` cast, which is this formula with no weight."""
 
     has_backward = True
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "weight", None) is None:
+            return WeightlessRMSNorm.forward(self, hidden_states)
         if _HAS_CASTING_MODE:
             return rms_norm(hidden_states, self.weight, _eps(self), casting_mode="gemma")
         # gemma mode computes x_hat * (1 + w) in fp32; (w - 1) in fp32 gives back w (exactly for
