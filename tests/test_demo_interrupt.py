@@ -22,6 +22,9 @@ def test_ctrl_c_in_the_demo_prints_one_line(tmp_path, after):
         [sys.executable, "scripts/demo.py", "--keep", str(tmp_path / "work")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # its own process group, as a terminal's foreground job
+        # and Ctrl-C's default action, as a terminal gives it: a shell running these tests in
+        # the background (`cmd &` without job control) hands its children SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         for line in demo.stdout:
