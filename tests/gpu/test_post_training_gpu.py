@@ -99,16 +99,8 @@ class Exact:
         self.trainer.model.zero_grad(set_to_none=True)
         exact = self.trainer.compute_loss(self.trainer.model, dict(inputs))
         exact.backward()
-        diff = norm = 0.0
-        for name, p in model.named_parameters():
-            g32 = self.params[name].grad
-            if g32 is None:
-                continue
-            g = p.grad.float() if p.grad is not None else torch.zeros_like(g32)
-            diff += float((g - g32).double().pow(2).sum())
-            norm += float(g32.double().pow(2).sum())
         loss_dist = abs(loss - float(exact)) / max(abs(float(exact)), 1e-12)
-        return loss_dist, (diff / max(norm, 1e-300)) ** 0.5
+        return loss_dist, dpo_verdict.grad_distance(model, self.params)
 
 
 def _run(trainer, exact: Exact, workload: str) -> tuple[list[tuple[float, float]], Counter]:

@@ -62,3 +62,13 @@ def _seed(request):
     torch.manual_seed(seed)
     print(f"seed={seed} (rerun with KERNEL_TEST_SEED={seed})")
     return seed
+
+
+@pytest.fixture
+def local_kernels(monkeypatch):
+    """apply_training_kernels loads this tree's training kernels (LOCAL_KERNELS), with Dynamo's
+    caches emptied before and after (the tests that compile bound models)."""
+    monkeypatch.setenv("LOCAL_KERNELS", f"kernels-lab/training={VARIANT}")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import sys
-from pathlib import Path
 
 import kernels
 import pytest
@@ -26,10 +25,6 @@ from torch._dynamo.backends.debugging import aot_eager
 from tests.models.registry import causal_lm_class, tiny_config
 from tests.sweep import sweep_only
 
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
-
 # (model type, attention, the custom ops the compiled graph must call: the loss head's too)
 FAMILIES = {
     "llama": ("sdpa", ("flce_fwd", "rms_norm_fwd", "rope", "gated_mlp_fwd")),
@@ -38,15 +33,6 @@ FAMILIES = {
     "gemma2": ("eager", ("flce_fwd", "rms_norm_fwd", "rope", "gated_mlp_fwd")),
     "qwen3_moe": ("sdpa", ("flce_fwd", "rms_norm_fwd", "rope", "moe_experts_fwd")),
 }
-
-
-@pytest.fixture
-def local_kernels(monkeypatch):
-    """apply_training_kernels loads this tree's training kernels (LOCAL_KERNELS)."""
-    monkeypatch.setenv("LOCAL_KERNELS", f"kernels-lab/training={VARIANT}")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def bound_pair(model_type: str, attn: str):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from pathlib import Path
 
 import kernels
 import pytest
@@ -16,18 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.registry import causal_lm_class, tiny_config
-
-VARIANT = (
-    Path(__file__).resolve().parents[2] / "hub_kernels/kernels-lab/training/build/torch-universal"
-)
-
-
-@pytest.fixture
-def local_kernels(monkeypatch):
-    monkeypatch.setenv("LOCAL_KERNELS", f"kernels-lab/training={VARIANT}")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def pair(model_type: str):

@@ -68,6 +68,20 @@ def loss_noise(step: Step) -> float:
     return step.beta / pairs * math.sqrt(float((weight * (chosen + rejected)).sum()))
 
 
+def grad_distance(model, exact_params: dict) -> float:
+    """Relative L2 distance of `model`'s gradients from those of `exact_params` (same names),
+    over the parameters the exact run has a gradient for; a missing gradient counts as zero."""
+    diff = norm = 0.0
+    for name, p in model.named_parameters():
+        g_exact = exact_params[name].grad
+        if g_exact is None:
+            continue
+        g = p.grad.to(g_exact.dtype) if p.grad is not None else torch.zeros_like(g_exact)
+        diff += float((g - g_exact).double().pow(2).sum())
+        norm += float(g_exact.double().pow(2).sum())
+    return (diff / max(norm, 1e-300)) ** 0.5
+
+
 class Exact:
     """A TRL DPOTrainer in fp32 or float64, run at another model's weights."""
 
@@ -83,16 +97,8 @@ class Exact:
         with _capture(self.trainer) as seen:
             exact = self.trainer.compute_loss(self.trainer.model, dict(inputs))
         exact.backward()
-        diff = norm = 0.0
-        for name, p in model.named_parameters():
-            g32 = self.params[name].grad
-            if g32 is None:
-                continue
-            g = p.grad.to(g32.dtype) if p.grad is not None else torch.zeros_like(g32)
-            diff += float((g - g32).double().pow(2).sum())
-            norm += float(g32.double().pow(2).sum())
         return Step(
-            beta, loss, float(exact.detach()), (diff / max(norm, 1e-300)) ** 0.5,
+            beta, loss, float(exact.detach()), grad_distance(model, self.params),
             policy, ref, seen["policy"], seen["ref"],
         )  # fmt: skip
 
