@@ -22,8 +22,16 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import aot_eager
 
+from tests.class_marks import restored
 from tests.models.registry import causal_lm_class, tiny_config
 from tests.sweep import sweep_only
+
+
+@pytest.fixture(autouse=True)
+def _model_classes_restored():
+    with restored(("llama", "gemma2", "qwen3_moe")):
+        yield
+
 
 # (model type, attention, the custom ops the compiled graph must call: the loss head's too)
 FAMILIES = {

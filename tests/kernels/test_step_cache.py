@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.class_marks import restored
 from tests.models.registry import causal_lm_class, tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _model_classes_restored():
+    with restored(("llama", "qwen3", "qwen3_moe", "gemma3", "jamba")):
+        yield
 
 
 def pair(model_type: str):
