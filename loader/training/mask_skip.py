@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import sys
 
-_MARK = "_kernels_mask_skip"
-
 
 def _exporting() -> bool:
     import torch
@@ -24,21 +22,12 @@ def _exporting() -> bool:
     return bool(torch.compiler._is_exporting_flag)
 
 
-setattr(_exporting, _MARK, True)
-
-
-def backport() -> bool:
-    """Make transformers' masking module read the export flag itself (idempotent); whether it
-    now does. Nothing changes where transformers' masking module or the flag is missing."""
+def backport() -> None:
+    """Make transformers' masking module read the export flag itself (idempotent). Nothing
+    changes where that module, its function or the flag is missing."""
     masking = sys.modules.get("transformers.masking_utils")
     torch = sys.modules.get("torch")
-    if masking is None or torch is None:
-        return False
-    if not hasattr(torch.compiler, "_is_exporting_flag"):
-        return False
-    current = getattr(masking, "is_torchdynamo_exporting", None)
-    if current is None:
-        return False
-    if not getattr(current, _MARK, False):
+    if masking is None or torch is None or not hasattr(torch.compiler, "_is_exporting_flag"):
+        return
+    if hasattr(masking, "is_torchdynamo_exporting"):
         masking.is_torchdynamo_exporting = _exporting
-    return True

@@ -260,48 +260,33 @@ def _probe_shell(module: nn.Module) -> nn.Module:
     return probe
 
 
-def computes_silu(act: nn.Module) -> bool:
-    """Whether a parameter-free module computes silu(x) = x * sigmoid(x), whatever its class is
-    called (the gated layers' "silu" kind)."""
+def _computes(act: nn.Module, reference, x: torch.Tensor) -> bool:
+    """Whether a parameter-free module computes ``reference`` elementwise on ``x``, whatever
+    its class is called."""
     if act._parameters or act._buffers or act._modules:
         return False
-    x = torch.linspace(-5.0, 5.0, 101)
     try:
         with torch.no_grad():
             out = _unhooked(act)(x)
     except Exception:  # noqa: BLE001 - not a one-tensor elementwise module
         return False
-    return isinstance(out, torch.Tensor) and _close(out, F.silu(x), _FP32_RTOL)
+    return isinstance(out, torch.Tensor) and _close(out, reference(x), _FP32_RTOL)
+
+
+def computes_silu(act: nn.Module) -> bool:
+    """x * sigmoid(x) (the gated layers' "silu" kind)."""
+    return _computes(act, F.silu, torch.linspace(-5.0, 5.0, 101))
 
 
 def computes_relu_squared(act: nn.Module) -> bool:
-    """Whether a parameter-free module computes relu(x)^2 (transformers' ReLUSquaredActivation,
-    Primer's squared ReLU), whatever its class is called: run on values of both signs and 0."""
-    if act._parameters or act._buffers or act._modules:
-        return False
-    probe = _unhooked(act)
-    x = torch.linspace(-3.0, 3.0, 61)  # 0 among them, where relu bends
-    try:
-        with torch.no_grad():
-            out = probe(x)
-    except Exception:  # noqa: BLE001 - not a one-tensor elementwise module
-        return False
-    return isinstance(out, torch.Tensor) and _close(out, torch.relu(x) ** 2, _FP32_RTOL)
+    """relu(x)^2 (transformers' ReLUSquaredActivation, Primer's squared ReLU), on values of
+    both signs and 0, where relu bends."""
+    return _computes(act, lambda x: torch.relu(x) ** 2, torch.linspace(-3.0, 3.0, 61))
 
 
 def computes_relu(act: nn.Module) -> bool:
-    """Whether a parameter-free module computes relu(x) (nn.ReLU, T5's "relu"), whatever its
-    class is called: run on values of both signs and 0."""
-    if act._parameters or act._buffers or act._modules:
-        return False
-    probe = _unhooked(act)
-    x = torch.linspace(-3.0, 3.0, 61)
-    try:
-        with torch.no_grad():
-            out = probe(x)
-    except Exception:  # noqa: BLE001 - not a one-tensor elementwise module
-        return False
-    return isinstance(out, torch.Tensor) and _close(out, torch.relu(x), _FP32_RTOL)
+    """relu(x) (nn.ReLU, T5's "relu"), on values of both signs and 0."""
+    return _computes(act, torch.relu, torch.linspace(-3.0, 3.0, 61))
 
 
 class _Marker(nn.Module):

@@ -64,6 +64,19 @@ def reference64(m: nn.Module, x64: torch.Tensor, act: str, p64: dict) -> torch.T
     return act64(u, act) @ p64["fc2.weight"].t() + p64.get("fc2.bias", 0)
 
 
+def check_against64(out, ref, x, x64, m: nn.Module, p64: dict, dtype) -> None:
+    """Backward of ``out`` and of its float64 ``ref`` with one random upstream gradient; the
+    output, d x and every parameter's gradient compared at ``dtype``'s tolerance."""
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, "output")
+    assert_close(x.grad, x64.grad, dtype, "d x")
+    for name, p in m.named_parameters():
+        assert_close(p.grad, p64[name].grad, dtype, f"d {name}")
+
+
 @pytest.mark.parametrize("path", ["lean", "composed"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -77,14 +90,7 @@ def test_mlp_values_and_every_gradient(kt, act, dtype, bias, path):
     x64 = leaf64(x)
     p64 = {n: leaf64(p) for n, p in m.named_parameters()}
     ref = reference64(m, x64, act, p64)
-    dy = torch.randn_like(out)
-    out.backward(dy)
-    ref.backward(dy.double())
-    assert out.dtype == dtype
-    assert_close(out, ref, dtype, "output")
-    assert_close(x.grad, x64.grad, dtype, "d x")
-    for name, p in m.named_parameters():
-        assert_close(p.grad, p64[name].grad, dtype, f"d {name}")
+    check_against64(out, ref, x, x64, m, p64, dtype)
 
 
 def test_mlp_keeps_one_intermediate_tensor_not_two(kt):
@@ -211,11 +217,4 @@ def test_normed_mlp_values_and_every_gradient(kt, act, dtype):
     u = act64(x64 @ p64["w_in.weight"].t() + p64["w_in.bias"], act)
     n = torch.nn.functional.layer_norm(u, (80,), p64["mid.weight"], p64["mid.bias"], m.mid.eps)
     ref = n @ p64["w_out.weight"].t() + p64["w_out.bias"]
-    dy = torch.randn_like(out)
-    out.backward(dy)
-    ref.backward(dy.double())
-    assert out.dtype == dtype
-    assert_close(out, ref, dtype, "output")
-    assert_close(x.grad, x64.grad, dtype, "d x")
-    for name, p in m.named_parameters():
-        assert_close(p.grad, p64[name].grad, dtype, f"d {name}")
+    check_against64(out, ref, x, x64, m, p64, dtype)

@@ -503,8 +503,8 @@ def causal_lm_forward(
     cache_arg = _cache_arg(type(model.model))
     own_cache = None
     if use_cache is None and cache is None and labels is not None and model.training:
-        use_cache = False  # a cache nobody asked for, in a step that will not decode
-        # ... except one that keeps the causal mask implicit (step_cache says why)
+        # no cache nobody asked for, in a step that will not decode, except one that keeps the
+        # causal mask implicit (step_cache says why)
         cache = own_cache = step_cache(model, attention_mask, position_ids)
         use_cache = own_cache is not None
     outputs = model.model(

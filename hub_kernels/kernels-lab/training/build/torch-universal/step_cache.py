@@ -29,11 +29,16 @@ def _cache_class() -> type:
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     class StepCache(DynamicCache):
+        kv_layers = (DynamicLayer, DynamicSlidingWindowLayer)
+
+        def holds_kv_only(self) -> bool:
+            return all(type(layer) in self.kv_layers for layer in self.layers)
+
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
             kind = type(layer)
             if (
-                kind in (DynamicLayer, DynamicSlidingWindowLayer)
+                kind in self.kv_layers
                 and not layer.is_initialized
                 and not getattr(layer, "record_past", False)
             ):
@@ -68,12 +73,7 @@ def step_cache(model: nn.Module, attention_mask, position_ids):
         return None  # Dynamo cannot trace a class statement; made at import, see below
     cache = _cache_class()(config=model.model.config)
     # the probe saw key/value layers only; another instance of the class may hold recurrent ones
-    if not all(type(layer).__name__ in _KV_LAYERS for layer in cache.layers):
-        return None
-    return cache
-
-
-_KV_LAYERS = {"DynamicLayer", "DynamicSlidingWindowLayer"}
+    return cache if cache.holds_kv_only() else None
 
 
 # A model exists before its kernels load, so transformers' cache module is there to subclass:
