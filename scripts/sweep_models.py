@@ -69,7 +69,7 @@ def _alarm(signum, frame):  # noqa: ARG001
 
 
 # What a worker runs per type: the causal LM (this script) or the image-text model with images
-# (scripts/sweep_vlm.py).
+# (scripts/sweep_vlm.py); `kind` may also name a "module:function" of the same signature.
 RUNNERS = {"causal": "tests.models.registry:run_one", "vlm": "tests.models.vlm_registry:run_vlm"}
 
 
@@ -80,7 +80,7 @@ def run_type(model_type: str, device: str, dtype, limit_s: int, kind: str = "cau
 
     from tests.models.registry import Outcome
 
-    module, name = RUNNERS[kind].split(":")
+    module, name = RUNNERS.get(kind, kind).split(":")
     run = getattr(importlib.import_module(module), name)
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(limit_s)
@@ -92,7 +92,22 @@ def run_type(model_type: str, device: str, dtype, limit_s: int, kind: str = "cau
         signal.alarm(0)
 
 
-OUTCOME, READY = "OUTCOME ", "READY"
+OUTCOME, READY, RETIRE = "OUTCOME ", "READY", "RETIRE"
+
+
+def _device_broken(device: str) -> bool:
+    """Whether this process's accelerator context is dead (a device-side assert is sticky:
+    every later call fails, so the types after it would be charged with it)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return False
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device=device).add_(1).item()
+    except Exception:  # noqa: BLE001 - any failure here means the context is gone
+        return True
+    return False
 
 
 def worker(device: str, dtype_name: str, limit_s: int, kind: str = "causal") -> int:
@@ -114,7 +129,12 @@ def worker(device: str, dtype_name: str, limit_s: int, kind: str = "causal") -> 
         if not model_type:
             continue
         outcome = run_type(model_type, device, dtype, limit_s, kind)
+        broken = _device_broken(device)
+        if broken:  # said before the outcome, so the parent never hands this worker another
+            print(RETIRE, flush=True)
         print(OUTCOME + json.dumps(dataclasses.asdict(outcome)), flush=True)
+        if broken:
+            return 0
     return 0
 
 
@@ -200,9 +220,17 @@ def sweep(
                     return
             child.send(model_type)
             hard = min(limit_s + grace_s, max(left() - 5, 1))
-            line = _await(answers, child, hard, lambda x: x.startswith(OUTCOME))
+            line = _await(answers, child, hard, lambda x: x.startswith(OUTCOME) or x == RETIRE)
+            retire = line == RETIRE
+            if retire:
+                line = _await(answers, child, 30, lambda x: x.startswith(OUTCOME))
             if line is not None:
                 outcome = Outcome(**json.loads(line[len(OUTCOME) :]))
+                if retire:  # its device context is dead: a fresh worker takes the next type
+                    if child.wait(30) is None:
+                        child.kill(dump_wait_s=0)
+                    active.discard(child)
+                    child = None
             elif child.proc.poll() is not None:
                 code = child.wait(5)
                 outcome = Outcome(model_type, "error", reason=(
@@ -469,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds for the whole sweep; types not started in time are rows saying so",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--kind", default="causal", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    # a RUNNERS key, or "module:function" (tests/gpu/test_sweep_gpu.py's runner)
+    parser.add_argument("--kind", default="causal", help=argparse.SUPPRESS)
     parser.add_argument(
         "--update", action="store_true", help="replace only the rows of the types run in --out"
     )

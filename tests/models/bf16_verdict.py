@@ -109,7 +109,6 @@ class Run:
         exact = self.exact
         inputs = model_inputs(batch)
         ids = inputs["input_ids"]
-        unlabelled = {k: v for k, v in inputs.items() if k != "labels"}
         # pixels and other float inputs in the float64 model's dtype
         inputs64 = {
             k: v.to(torch.float64) if torch.is_tensor(v) and v.is_floating_point() else v
@@ -124,8 +123,9 @@ class Run:
         devices = [torch.cuda.current_device()] if ids.is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
+            # with the labels: an encoder-decoder makes its decoder's inputs from them
             with torch.no_grad(), _TopK() as routed:
-                model(**unlabelled)
+                model(**inputs)
             torch.manual_seed(0)
             with _TopK() as routed64:
                 loss64 = exact(**inputs64).loss

@@ -252,3 +252,12 @@ def test_a_masked_lm_head_under_fused_lm_head_ignores_a_callers_shift_labels(mir
     want = plain(**batch).loss
     got = ours(**batch, shift_labels=other, fused_lm_head=True).loss
     assert torch.allclose(got, want, rtol=1e-5, atol=0), (got, want)
+
+
+def test_an_encoder_decoder_gets_its_float64_run_in_bf16(mirror):
+    """The bf16 verdict's routing check calls the bf16 model with the labels too: T5Gemma 2's
+    decoder makes its inputs from them, and without them the check raised, leaving the type
+    with no float64 comparison ("no float64 run")."""
+    outcome = run_vlm("t5gemma2", dtype=torch.bfloat16)
+    assert outcome.verdict is not None, outcome.reason
+    assert "no float64 run" not in outcome.reason, outcome.reason

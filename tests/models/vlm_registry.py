@@ -19,6 +19,7 @@ small per-family adapter (ADAPTERS) says what the processor would.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -740,13 +741,21 @@ def describe(model, report, batches) -> dict:
     }
 
 
+def _on_cpu(model):
+    """The model itself on the CPU, else a CPU copy: the layout probe's wrong guesses index out
+    of range, which on a GPU is a device-side assert that ends the process's CUDA context."""
+    if next(model.parameters()).device.type == "cpu":
+        return model
+    return copy.deepcopy(model).to("cpu")
+
+
 def run_vlm(model_type: str, *, device="cpu", dtype=torch.float32, repo=None, overrides=None):
     """registry.compare for the tiny VLM with image batches; ``details`` says what the batches
     held and where each layer bound (describe)."""
     return compare(
         model_type,
         lambda: build_vlm(model_type, overrides=overrides),
-        vlm_batches,
+        lambda model, to: vlm_batches(_on_cpu(model), to),
         device=device,
         dtype=dtype,
         repo=repo,
