@@ -5,7 +5,7 @@ do_bench, both with L2 flushed; extra peak memory of one fwd+bwd), bf16, random 
 
 - log-prob + entropy, N 16384 x H {1024, 4096} x V 151936, fwd+bwd with upstream gradients on
   both fields (the "fwd" columns: forward only under no_grad, a reference model's call):
-  ours (`fused_linear_logprob`), TRL 1.16's `ChunkedLogProbFunction` (its in-tree fused head),
+  ours (`fused_linear_logprob`, lean, and with ``keep_logits=True``), TRL 1.16's `ChunkedLogProbFunction` (its in-tree fused head),
   TRL's `selective_log_softmax_and_entropy` on materialised logits (the lm_head matmul
   included), Liger's fused linear cross-entropy with reduction="none" (per-token -log p only:
   no entropy; its closest fused op) and eager torch on the full logits;
@@ -21,6 +21,7 @@ hundred ms a call) and stop one that runs past its limit with a "timeout" row; t
 `--only divergence` run is meant to take about 90 s on an H200.
 
     python scripts/bench_logprob.py [--out results.json] [--quick] [--only logprob|divergence]
+        [--skip eager]    (leave out the implementations whose name starts with these)
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ def logprob_case(n: int, hdim: int, vocab: int = VOCAB) -> Case:
         g = [torch.randn(n, device="cuda"), torch.randn(n, device="cuda")]
         return h, w, y, g
 
-    def ours():
+    def ours(keep: bool = False):
         lpm = _ours("logprob")
         h, w, y, g = inputs()
 
         def fn():
-            out = lpm.fused_linear_logprob(h, w, y, outputs=("log_probs", "entropy"))
+            out = lpm.fused_linear_logprob(
+                h, w, y, outputs=("log_probs", "entropy"), keep_logits=keep
+            )
             return out.log_probs, out.entropy
 
         return _closures(fn, [h, w], g)
@@ -169,11 +172,16 @@ def logprob_case(n: int, hdim: int, vocab: int = VOCAB) -> Case:
             Impl("trl mm+selective_log_softmax_and_entropy", trl_materialized),
             Impl("liger", liger),
             Impl("ours", ours),
+            Impl("ours (keep_logits)", lambda: ours(keep=True)),
         ],
         # The matmul work of a head that keeps its logits (6·N·H·V); a head that never holds
         # them recomputes them in the backward (8·N·H·V), as ours and TRL's chunked one do.
         flops_fwd_bwd=6 * n * hdim * vocab,
-        notes=["liger = fused linear CE, reduction='none': log-probs only (no entropy)"],
+        notes=[
+            "liger = fused linear CE, reduction='none': log-probs only (no entropy)",
+            "ours (keep_logits) = keep_logits=True (or KERNELS_LOGPROB_KEEP_BYTES): the forward "
+            "keeps the [N, V] logits and the backward skips their recompute (3 matmuls, not 4)",
+        ],
     )
 
 
@@ -270,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="N 2048 instead of 16384 (a smoke run)"
     )
     parser.add_argument("--only", choices=["logprob", "divergence"], help="one group of cases")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated implementation names to leave out (eager ...)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_logprob: needs a CUDA GPU", file=sys.stderr)
@@ -282,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ceil = measure_ceilings()
     rows, notes = [], []
+    skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     for case in cases(args.quick, args.only):
+        case.impls = [i for i in case.impls if i.name.split(" ")[0] not in skip]
         print(f"running {case.op} {case.shape} ...", file=sys.stderr, flush=True)
         rows += run_case(case, ceil)
         notes += case.notes

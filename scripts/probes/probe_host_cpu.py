@@ -308,7 +308,7 @@ def loss_and_mlp_cases(kt: types.ModuleType, i: Inputs) -> dict:
         "log-prob head via custom op": _grad(
             lambda: (
                 ops["logprob"].logprob_fwd(
-                    h2, head.weight, None, i.rows_target, 1.0, None, 1.0, 0, -100, 0, 0
+                    h2, head.weight, None, i.rows_target, 1.0, None, 1.0, 0, -100, 0, 0, False
                 )[0],
             ),
             (i.h, head.weight),

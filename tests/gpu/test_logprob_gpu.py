@@ -89,15 +89,17 @@ def logprob_reference(h, w, b, y, temperature=1.0, softcap=None, scale=1.0):
 
 
 @pytest.mark.parametrize(
-    "n,hdim,bias,transform,tile",
+    "n,hdim,bias,transform,tile,keep",
     [
-        (4096, 1024, False, (1.0, None, 1.0), None),  # Qwen3-0.6B's head, default tiling
-        (4096, 2048, True, (0.7, 30.0, 1.25), None),  # bias, temperature, softcap, scale
-        (3000, 1024, False, (1.0, None, 1.0), (1024, 40000)),  # token and vocabulary chunks
+        (4096, 1024, False, (1.0, None, 1.0), None, False),  # Qwen3-0.6B's head, default tiling
+        (4096, 2048, True, (0.7, 30.0, 1.25), None, False),  # bias, temperature, softcap, scale
+        (3000, 1024, False, (1.0, None, 1.0), (1024, 40000), False),  # token and vocab chunks
+        (4096, 1024, False, (1.0, None, 1.0), None, True),  # the logits kept for the backward
+        (3000, 2048, True, (0.7, 30.0, 1.25), (1024, 40000), True),  # kept, read in chunks
     ],
-    ids=["qwen-0.6b", "bias-transforms", "split-tokens"],
+    ids=["qwen-0.6b", "bias-transforms", "split-tokens", "keep-logits", "keep-logits-chunks"],
 )
-def test_logprob_matches_fp32(lpm, n, hdim, bias, transform, tile):
+def test_logprob_matches_fp32(lpm, n, hdim, bias, transform, tile, keep):
     """bf16 fields and gradients (upstream on log_probs and entropy) against fp32 torch; the
     Triton forward and backward kernels launched."""
     temperature, softcap, scale = transform
@@ -109,7 +111,7 @@ def test_logprob_matches_fp32(lpm, n, hdim, bias, transform, tile):
     with TritonLaunches(lpm, device=True) as launches:
         out = lpm.fused_linear_logprob(
             hl, wl, y, bl, temperature=temperature, softcap=softcap, logit_scale=scale,
-            outputs=("log_probs", "entropy", "is_top1"), tile=tile,
+            outputs=("log_probs", "entropy", "is_top1"), tile=tile, keep_logits=keep,
         )  # fmt: skip
         grads = torch.autograd.grad(
             [out.log_probs, out.entropy], [t for t in (hl, wl, bl) if t is not None],

@@ -104,7 +104,7 @@ CASES = {
 GRAD_FACTOR = {torch.float32: 1.0, torch.bfloat16: 2.0, torch.float16: 2.0}
 
 
-def run_case(lpm, dtype, bias, transform, tile, upstream, grads_of):
+def run_case(lpm, dtype, bias, transform, tile, upstream, grads_of, keep=False):
     temperature, softcap, scale = transform
     h, w, b, labels = make(dtype, bias)
     hl, wl, bl = leaves(h, w, b)
@@ -113,7 +113,7 @@ def run_case(lpm, dtype, bias, transform, tile, upstream, grads_of):
             t.requires_grad_(key in grads_of)
     out = lpm.fused_linear_logprob(
         hl, wl, labels, bl, temperature=temperature, softcap=softcap, logit_scale=scale,
-        outputs=lpm.OUTPUTS, tile=TILES[tile],
+        outputs=lpm.OUTPUTS, tile=TILES[tile], keep_logits=keep,
     )  # fmt: skip
     h64, w64, b64 = leaves(*(None if t is None else t.double() for t in (h, w, b)))
     ref = reference(h64, w64, b64, labels, temperature, softcap, scale)
@@ -153,6 +153,74 @@ ON_INTERPRETER = ("fp32-plain-both", "fp32-transforms-vocab", "bf16-transforms-t
 def test_matches_float64(lpm, monkeypatch, path, case):
     _path(monkeypatch, path)
     run_case(lpm, *CASES[case])
+
+
+@pytest.mark.parametrize(
+    "path,case",
+    [("triton", "fp32-plain-both")] + [("torch", c) for c in CASES],
+)
+def test_kept_logits_match_float64(lpm, monkeypatch, path, case):
+    """keep_logits: the backward reads the forward's tiles instead of recomputing them."""
+    _path(monkeypatch, path)
+    run_case(lpm, *CASES[case], keep=True)
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_kept_logits_skip_the_recompute_and_survive_retain_graph(lpm, monkeypatch, path):
+    """With the logits kept, the backward makes no logits matmul; it leaves them intact, so a
+    second backward (retain_graph) gives the same gradients bit for bit, and they are the
+    recomputing path's (to fp32 rounding: whole-row matmuls against tiles)."""
+    _path(monkeypatch, path)
+    h, w, b, labels = make(bias=True)
+    grads, calls, real_mm = {}, [], torch.mm
+
+    def mm(a, b_, **kw):
+        calls.append(tuple(a.shape) + tuple(b_.shape))
+        return real_mm(a, b_, **kw)
+
+    for keep in (False, True):
+        hl, wl, bl = leaves(h, w, b)
+        out = lpm.fused_linear_logprob(
+            hl, wl, labels, bl, outputs=("entropy",), tile=TILES["both"], keep_logits=keep
+        )
+        loss = out.log_probs.sum() + 0.5 * out.entropy.sum()
+        calls.clear()
+        monkeypatch.setattr(torch, "mm", mm)
+        grads[keep] = torch.autograd.grad(loss, [hl, wl, bl], retain_graph=True)
+        monkeypatch.setattr(torch, "mm", real_mm)
+        logits_mm = [c for c in calls if c[1] == H and c[2] == H]  # [rows, H] @ [H, cols]
+        assert bool(logits_mm) != keep, calls
+        if keep:
+            again = torch.autograd.grad(loss, [hl, wl, bl])
+            for g1, g2 in zip(grads[True], again, strict=True):
+                assert torch.equal(g1, g2)
+    for g0, g1 in zip(grads[False], grads[True], strict=True):
+        # kept logits come from whole-row matmuls, recomputed ones from tiles: fp32 sum order
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+
+
+def test_keep_logits_budget(lpm, monkeypatch):
+    """keep_logits=None keeps the [N, V] logits only when they fit KEEP_LOGITS_BYTES (0 by
+    default: never); an explicit True or False wins."""
+    _path(monkeypatch, "torch")
+    h, w, _, labels = make()
+    logits_bytes = N * V * h.element_size()
+
+    def kept(budget, keep=None):
+        monkeypatch.setattr(lpm, "KEEP_LOGITS_BYTES", budget)
+        shapes = []
+        hl, wl = leaves(h, w)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t,
+                                                      lambda t: t):  # fmt: skip
+            lpm.fused_linear_logprob(hl, wl, labels, keep_logits=keep)
+        return (N * V,) in shapes
+
+    assert lpm.KEEP_LOGITS_BYTES == 0 or os.environ.get("KERNELS_LOGPROB_KEEP_BYTES")
+    assert not kept(0)
+    assert not kept(logits_bytes - 1)
+    assert kept(logits_bytes)
+    assert not kept(logits_bytes, keep=False)
+    assert kept(0, keep=True)
 
 
 @pytest.mark.slow
@@ -210,9 +278,9 @@ def test_missing_upstream_grad_costs_nothing(lpm, monkeypatch, path, upstream):
     seen = []
     real = getattr(lpm, name)
 
-    def spy(tile, labels, bias, log_z, ent, glp, gent, col0, o):
+    def spy(tile, labels, bias, log_z, ent, glp, gent, col0, o, dest=None):
         seen.append((glp is None, gent is None))
-        return real(tile, labels, bias, log_z, ent, glp, gent, col0, o)
+        return real(tile, labels, bias, log_z, ent, glp, gent, col0, o, dest)
 
     monkeypatch.setattr(lpm, name, spy)
     h, w, _, labels = make()
@@ -369,7 +437,8 @@ def test_no_grad_keeps_nothing(lpm, monkeypatch):
         assert not getattr(out, name).requires_grad, name
 
 
-def test_compile_fullgraph_matches_eager(lpm, monkeypatch):
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep_logits"])
+def test_compile_fullgraph_matches_eager(lpm, monkeypatch, keep):
     """torch.compile(fullgraph=True) of a function calling the op: no graph break (the custom
     ops' fake and autograd registrations), the same values and gradients as eager (torch path;
     the compiled graph calls the op opaquely, so the path inside does not matter to tracing)."""
@@ -381,6 +450,7 @@ def test_compile_fullgraph_matches_eager(lpm, monkeypatch):
         out = lpm.fused_linear_logprob(
             h, w, labels, b, temperature=0.9, softcap=7.0, logit_scale=1.1,
             outputs=("log_probs", "entropy", "mean_logits", "is_top1"), tile=TILES["both"],
+            keep_logits=keep,
         )  # fmt: skip
         loss = -(out.log_probs.sum()) + 0.1 * out.entropy.sum()
         return loss, out.mean_logits, out.is_top1

@@ -32,7 +32,7 @@ import torch
 
 from ._common import cdiv, fast_launch, next_pow2, op_name, use_triton
 from ._triton import tl, triton
-from .logprob import _MM_OUT_DTYPE, _mm_f32, _transform, choose, configs, tile_shape
+from .logprob import _MM_OUT_DTYPE, _transform, back_matmuls, choose, configs, tile_shape
 
 KINDS = ("forward_kl", "reverse_kl", "jsd", "tvd")
 FKL, RKL, JSD, TVD = 0, 1, 2, 3
@@ -549,20 +549,8 @@ def backward(h_s, w_s, b_s, h_t, w_t, b_t, ign, s_lz, t_lz, aux, gdiv, need, o: 
             _project(t_tile, ht, w_t[c0:c1].to(ht.dtype))
             grad_fn(s_tile, t_tile, g, b_s, b_t, None if ign is None else ign[sl], s_lz[sl],
                     t_lz[sl], aux[sl], gdiv[sl], c0, o)  # fmt: skip
-            if need_x:
-                if acc is None:
-                    torch.mm(g, w, out=dh[sl])
-                else:
-                    _mm_f32(g, w, acc, accumulate=c0 > 0)
-            if need_w:
-                if dw_acc is not None:
-                    _mm_f32(g.t(), hs, dw_acc[c0:c1], accumulate=r0 > 0)
-                elif w_s.dtype == cdtype:
-                    torch.mm(g.t(), hs, out=dw[c0:c1])
-                else:
-                    dw[c0:c1].copy_(g.t() @ hs)
-            if need_b:
-                db[c0:c1] += g.sum(0, dtype=torch.float32)
+            back_matmuls(g, w, hs, (r0, r1), (c0, c1), None if dh is None else dh[sl], acc,
+                         dw, dw_acc, db)  # fmt: skip
         if dh_acc is not None:
             dh[sl].copy_(acc)
     if dw_acc is not None and dw_acc is not dw:

@@ -23,6 +23,12 @@ gradients are unknown in the forward), overwrites it in place with d(output)/d(l
 pass, and feeds it to the d(hidden) and d(weight) matmuls: 4 matmuls of N·H·V in all, like TRL's.
 Under no_grad nothing is kept for a backward.
 
+With ``keep_logits`` (or when the [N, V] logits fit ``KERNELS_LOGPROB_KEEP_BYTES``, 0 by default)
+the forward keeps every tile and the backward reads them instead of recomputing: 3 matmuls, the
+count of a head that materialises its logits, for N·V more bytes held between the passes. The
+backward writes d(out)/d(logits) into one tile buffer, so the kept logits stay intact (a second
+backward with ``retain_graph`` reads them again).
+
 CUDA tensors run Triton; CPU tensors run the same chunked loop with torch formulas in fp32, or the
 Triton kernels under TRITON_INTERPRET=1. Registered as torch.library custom ops (fake and autograd
 registrations) so torch.compile traces a call without a graph break.
@@ -30,6 +36,8 @@ registrations) so torch.compile traces a call without a graph break.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import NamedTuple, Optional
 
 import torch
@@ -60,6 +68,11 @@ MIN_TILE_COLS = 4096
 # Vocabulary chunks are whole multiples of this (the last one takes the remainder), so every
 # row stride and matmul dimension of a tile is aligned.
 COL_ALIGN = 256
+
+# Logits up to this many bytes are kept for the backward when the caller does not say
+# (fused_linear_logprob's keep_logits=None): 0, never, the lean default; a user with the memory
+# trades N·V bytes for one matmul of N·H·V.
+KEEP_LOGITS_BYTES = int(os.environ.get("KERNELS_LOGPROB_KEEP_BYTES", "0") or 0)
 
 # `torch.mm(..., out_dtype=torch.float32)` from bf16/fp16 inputs, CUDA only (torch >= 2.8).
 _MM_OUT_DTYPE = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
@@ -304,14 +317,16 @@ def _fwd_tile_triton(tile, labels, bias, stats, outs, col0, vocab, o, first, las
     launch(choose(key, configs(FWD_CONFIGS, n_cols), launch, tile.device, first))
 
 
-def _bwd_tile_triton(tile, labels, bias, log_z, ent, glp, gent, col0, o):
+def _bwd_tile_triton(tile, labels, bias, log_z, ent, glp, gent, col0, o, dest=None):
+    """d(out)/d(logits) of one tile, into `dest` (the tile itself when None)."""
     n, n_cols = tile.shape
+    dest = tile if dest is None else dest
     flags = {
         "HAS_BIAS": bias is not None, "HAS_SOFTCAP": o.has_softcap, "HAS_GLP": glp is not None,
         "HAS_GENT": gent is not None,
     }  # fmt: skip
 
-    def launch(cfg, rows=n, out=tile):
+    def launch(cfg, rows=n, out=dest):
         _bwd_kernel[(rows, cdiv(n_cols, cfg["BLOCK"]))](
             tile, tile.stride(0), out, out.stride(0), labels,
             bias if bias is not None else tile, log_z, ent if ent is not None else log_z,
@@ -391,7 +406,7 @@ def _fwd_tile_torch(tile, labels, bias, stats, outs, col0, vocab, o, first, last
         top1.copy_(valid & (zt >= m) & (zt > mbt))
 
 
-def _bwd_tile_torch(tile, labels, bias, log_z, ent, glp, gent, col0, o):
+def _bwd_tile_torch(tile, labels, bias, log_z, ent, glp, gent, col0, o, dest=None):
     z, t = _torch_z(tile, bias, col0, o)
     valid = labels != o.ignore_index
     logp = z - log_z[:, None]
@@ -406,7 +421,7 @@ def _bwd_tile_torch(tile, labels, bias, log_z, ent, glp, gent, col0, o):
     g = g * (o.scale * o.inv_t)
     if t is not None:
         g = g * (1 - t * t)
-    tile.copy_(g)
+    (tile if dest is None else dest).copy_(g)
 
 
 # --- The chunked drivers ----------------------------------------------------------------------
@@ -452,13 +467,43 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
         torch.mm(a, b, out=out)
 
 
+def back_matmuls(g, w, h, rows, cols, dh, acc, dw, dw_acc, db) -> None:
+    """Multiply one d(logits) tile `g` [rows, cols] back: into d(hidden) (`dh`, this tile's rows,
+    or the fp32 `acc` summed over vocabulary chunks), d(weight) (`dw`'s chunk rows, or the fp32
+    `dw_acc` summed over token chunks) and d(bias); a None target is not needed."""
+    (r0, _), (c0, c1) = rows, cols
+    if dh is not None:
+        if acc is None:  # one vocabulary chunk: no sum across chunks
+            torch.mm(g, w, out=dh)
+        else:
+            _mm_f32(g, w, acc, accumulate=c0 > 0)
+    if dw is not None:
+        if dw_acc is not None:
+            _mm_f32(g.t(), h, dw_acc[c0:c1], accumulate=r0 > 0)
+        elif dw.dtype == g.dtype:
+            torch.mm(g.t(), h, out=dw[c0:c1])
+        else:  # an fp32 product rounded to the weight's lower precision once
+            dw[c0:c1].copy_(g.t() @ h)
+    if db is not None:
+        db[c0:c1] += g.sum(0, dtype=torch.float32)
+
+
 def _buffer(rows: int, cols: int, dtype, device) -> torch.Tensor:
     return torch.empty(rows, cols, dtype=dtype, device=device)
 
 
-def forward(hidden, weight, bias, labels, o: _Opts):
-    """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, log_z), fields not asked
-    for empty; log_z is kept for the backward."""
+def _tiles(n: int, vocab: int, rows: int, cols: int) -> Iterator[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) per logits tile, tokens outer, vocabulary inner."""
+    for r0 in range(0, n, rows):
+        for c0 in range(0, vocab, cols):
+            yield r0, min(n, r0 + rows), c0, min(vocab, c0 + cols)
+
+
+def forward(hidden, weight, bias, labels, o: _Opts, keep: bool = False):
+    """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, log_z, kept), fields not
+    asked for empty; log_z is kept for the backward, and with `keep` the logits too (flat
+    [N·V]; empty without). Kept logits are made whole-row: one matmul and one fold per block
+    of rows, no statistics carried across vocabulary chunks."""
     n, vocab = hidden.shape[0], weight.shape[0]
     dev, cdtype = hidden.device, hidden.dtype
     f32 = {"dtype": torch.float32, "device": dev}
@@ -468,28 +513,28 @@ def forward(hidden, weight, bias, labels, o: _Opts):
     mean = torch.empty(n if o.bits & MEAN else 0, **f32)
     top1 = torch.empty(n if o.bits & TOP1 else 0, dtype=torch.bool, device=dev)
     outs = (lp, ent, sq, mean, top1, log_z)
+    kept = torch.empty(n * vocab if keep else 0, dtype=cdtype, device=dev)
     if n == 0:
-        return outs
+        return (*outs, kept)
     rows, cols = _tile(o, n, vocab, hidden.element_size())
+    if keep:
+        cols = vocab
     stats = torch.empty(7, n, **f32) if cols < vocab else None
     fold = _fwd_tile_triton if use_triton(hidden) else _fwd_tile_torch
-    buf = _buffer(min(rows, n), cols, cdtype, dev)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        h = hidden[r0:r1]
+    buf = None if keep else _buffer(min(rows, n), cols, cdtype, dev)
+    for r0, r1, c0, c1 in _tiles(n, vocab, rows, cols):
+        tile = kept.view(n, vocab)[r0:r1] if keep else buf[: r1 - r0, : c1 - c0]
         part = tuple(t[r0:r1] if t.numel() else t for t in outs)
         st = None if stats is None else stats[:, r0:r1]
-        for c0 in range(0, vocab, cols):
-            c1 = min(vocab, c0 + cols)
-            tile = buf[: r1 - r0, : c1 - c0]
-            torch.mm(h, weight[c0:c1].to(cdtype).t(), out=tile)
-            fold(tile, labels[r0:r1], bias, st, part, c0, vocab, o, c0 == 0, c1 == vocab)
-    return outs
+        torch.mm(hidden[r0:r1], weight[c0:c1].to(cdtype).t(), out=tile)
+        fold(tile, labels[r0:r1], bias, st, part, c0, vocab, o, c0 == 0, c1 == vocab)
+    return (*outs, kept)
 
 
-def backward(hidden, weight, bias, labels, log_z, ent, glp, gent, need, o: _Opts):
-    """(d hidden, d weight, d bias), each None where `need` says no: the tiles recomputed, made
-    d(out)/d(logits) in place and multiplied back (fp32 accumulation throughout)."""
+def backward(hidden, weight, bias, labels, log_z, ent, glp, gent, need, o: _Opts, kept=None):
+    """(d hidden, d weight, d bias), each None where `need` says no: the tiles recomputed (or
+    read from `kept`, the forward's logits, left intact), made d(out)/d(logits) and multiplied
+    back (fp32 accumulation throughout)."""
     need_x, need_w, need_b = need
     n, vocab = hidden.shape[0], weight.shape[0]
     dev, cdtype = hidden.device, hidden.dtype
@@ -514,36 +559,27 @@ def backward(hidden, weight, bias, labels, log_z, ent, glp, gent, need, o: _Opts
     glp = None if glp is None else glp.float().contiguous()
     gent = None if gent is None else gent.float().contiguous()
     buf = _buffer(min(rows, n), cols, cdtype, dev) if n else None
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
+    logits = kept.view(n, vocab) if kept is not None and kept.numel() else None
+    acc = None
+    for r0, r1, c0, c1 in _tiles(n, vocab, rows, cols):
+        view = None if logits is None else logits[r0:r1, c0:c1]  # rows V apart
         h = hidden[r0:r1]
-        acc = None
-        if need_x and split_cols:
-            acc = dh[r0:r1] if dh_acc is None else dh_acc[: r1 - r0]
-        for c0 in range(0, vocab, cols):
-            c1 = min(vocab, c0 + cols)
-            w = weight[c0:c1].to(cdtype)
-            tile = buf[: r1 - r0, : c1 - c0]
+        if c0 == 0:
+            acc = None
+            if need_x and split_cols:
+                acc = dh[r0:r1] if dh_acc is None else dh_acc[: r1 - r0]
+        w = weight[c0:c1].to(cdtype)
+        tile = buf[: r1 - r0, : c1 - c0]
+        if view is None:
             torch.mm(h, w.t(), out=tile)
-            grad(
-                tile, labels[r0:r1], bias, log_z[r0:r1], None if ent is None else ent[r0:r1],
-                None if glp is None else glp[r0:r1], None if gent is None else gent[r0:r1], c0, o,
-            )  # fmt: skip
-            if need_x:
-                if acc is None:  # one vocabulary chunk: no sum across chunks
-                    torch.mm(tile, w, out=dh[r0:r1])
-                else:
-                    _mm_f32(tile, w, acc, accumulate=c0 > 0)
-            if need_w:
-                if dw_acc is not None:
-                    _mm_f32(tile.t(), h, dw_acc[c0:c1], accumulate=r0 > 0)
-                elif weight.dtype == cdtype:
-                    torch.mm(tile.t(), h, out=dw[c0:c1])
-                else:  # an fp32 product rounded to the weight's lower precision once
-                    dw[c0:c1].copy_(tile.t() @ h)
-            if need_b:
-                db[c0:c1] += tile.sum(0, dtype=torch.float32)
-        if dh_acc is not None:
+        grad(
+            tile if view is None else view, labels[r0:r1], bias, log_z[r0:r1],
+            None if ent is None else ent[r0:r1], None if glp is None else glp[r0:r1],
+            None if gent is None else gent[r0:r1], c0, o, tile,
+        )  # fmt: skip
+        back_matmuls(tile, w, h, (r0, r1), (c0, c1), None if dh is None else dh[r0:r1], acc,
+                     dw, dw_acc, db)  # fmt: skip
+        if dh_acc is not None and c1 == vocab:
             dh[r0:r1].copy_(acc)
     if dw_acc is not None and dw_acc is not dw:
         dw.copy_(dw_acc)
@@ -553,7 +589,7 @@ def backward(hidden, weight, bias, labels, log_z, ent, glp, gent, need, o: _Opts
 # --- Custom ops (torch.compile) and the eager autograd Function -------------------------------
 
 
-def _empty_outputs(hidden, bits):
+def _empty_outputs(hidden, weight, bits, keep):
     n = hidden.shape[0]
     f32 = {"dtype": torch.float32}
     return (
@@ -563,6 +599,7 @@ def _empty_outputs(hidden, bits):
         hidden.new_empty(n if bits & MEAN else 0, **f32),
         hidden.new_empty(n if bits & TOP1 else 0, dtype=torch.bool),
         hidden.new_empty(n, **f32),
+        hidden.new_empty(n * weight.shape[0] if keep else 0),
     )
 
 
@@ -579,16 +616,19 @@ def logprob_fwd(
     ignore_index: int,
     tile_rows: int,
     tile_cols: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    keep: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     o = _opts(temperature, softcap, logit_scale, outputs, ignore_index, tile_rows, tile_cols)
     with torch.autocast(hidden.device.type, enabled=False):
-        return forward(hidden, weight, bias, labels, o)
+        return forward(hidden, weight, bias, labels, o, keep)
 
 
 @logprob_fwd.register_fake
 def _(hidden, weight, bias, labels, temperature, softcap, logit_scale, outputs, ignore_index,
-      tile_rows, tile_cols):  # fmt: skip
-    return _empty_outputs(hidden, outputs)
+      tile_rows, tile_cols, keep):  # fmt: skip
+    return _empty_outputs(hidden, weight, outputs, keep)
 
 
 @torch.library.custom_op(op_name("logprob_bwd"), mutates_args=())
@@ -610,12 +650,13 @@ def logprob_bwd(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    kept: Optional[torch.Tensor],  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     o = _opts(temperature, softcap, logit_scale, 0, ignore_index, tile_rows, tile_cols)
     with torch.autocast(hidden.device.type, enabled=False):
         dh, dw, db = backward(
             hidden, weight, bias, labels, log_z, entropy, grad_log_probs, grad_entropy,
-            (need_hidden, need_weight, need_bias and bias is not None), o,
+            (need_hidden, need_weight, need_bias and bias is not None), o, kept,
         )  # fmt: skip
     return (
         hidden.new_empty(0) if dh is None else dh,
@@ -627,7 +668,7 @@ def logprob_bwd(
 @logprob_bwd.register_fake
 def _(hidden, weight, bias, labels, log_z, entropy, grad_log_probs, grad_entropy, temperature,
       softcap, logit_scale, ignore_index, tile_rows, tile_cols, need_hidden, need_weight,
-      need_bias):  # fmt: skip
+      need_bias, kept):  # fmt: skip
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else weight.new_empty(0),
@@ -642,28 +683,31 @@ def _live(g: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _op_setup(ctx, inputs, output):
-    hidden, weight, bias, labels, temperature, softcap, logit_scale, bits, ignore, tr, tc = inputs
-    _lp, ent, _sq, _mean, _top1, log_z = output
-    ctx.save_for_backward(hidden, weight, bias, labels, log_z, ent if bits & ENTROPY else None)
+    hidden, weight, bias, labels, temperature, softcap, logit_scale, bits, ignore, tr, tc, keep = (
+        inputs
+    )
+    _lp, ent, _sq, _mean, _top1, log_z, kept = output
+    ctx.save_for_backward(hidden, weight, bias, labels, log_z, ent if bits & ENTROPY else None,
+                          kept if keep else None)  # fmt: skip
     ctx.args = (temperature, softcap, logit_scale, ignore, tr, tc)
 
 
 def _op_backward(ctx, glp, gent, *_unused):
-    hidden, weight, bias, labels, log_z, ent = ctx.saved_tensors
+    hidden, weight, bias, labels, log_z, ent, kept = ctx.saved_tensors
     glp, gent = _live(glp), _live(gent) if ent is not None else None
     need = ctx.needs_input_grad[:3]
     if (glp is None and gent is None) or not any(need):
-        return (None,) * 11
+        return (None,) * 12
     temperature, softcap, logit_scale, ignore, tr, tc = ctx.args
     dh, dw, db = logprob_bwd(
         hidden, weight, bias, labels, log_z, ent, glp, gent, temperature, softcap, logit_scale,
-        ignore, tr, tc, need[0], need[1], bool(need[2]) and bias is not None,
+        ignore, tr, tc, need[0], need[1], bool(need[2]) and bias is not None, kept,
     )  # fmt: skip
     return (
         dh if need[0] else None,
         dw if need[1] else None,
         db if need[2] and bias is not None else None,
-        *(None,) * 8,
+        *(None,) * 9,
     )
 
 
@@ -674,13 +718,16 @@ class _LogProbFunction(torch.autograd.Function):
     """The eager path: the same drivers without the custom-op dispatch on every call."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, o: _Opts, save: bool):
-        lp, ent, sq, mean, top1, log_z = forward(hidden, weight, bias, labels, o)
+    def forward(ctx, hidden, weight, bias, labels, o: _Opts, save: bool, keep: bool):
+        lp, ent, sq, mean, top1, log_z, kept = forward(
+            hidden, weight, bias, labels, o, keep and save
+        )
         ctx.set_materialize_grads(False)  # an output without a gradient costs no zero-filled one
         ctx.o = o
         if save:
             ctx.save_for_backward(hidden, weight, bias, labels, log_z,
-                                  ent if o.bits & ENTROPY else None)  # fmt: skip
+                                  ent if o.bits & ENTROPY else None,
+                                  kept if kept.numel() else None)  # fmt: skip
         ctx.mark_non_differentiable(sq, mean, top1)
         if not o.bits & ENTROPY:
             ctx.mark_non_differentiable(ent)
@@ -689,15 +736,17 @@ class _LogProbFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, glp, gent, *_unused):
         if glp is None and gent is None:
-            return (None,) * 6
-        hidden, weight, bias, labels, log_z, ent = ctx.saved_tensors
+            return (None,) * 7
+        hidden, weight, bias, labels, log_z, ent, kept = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])
         need = (need[0], need[1], need[2] and bias is not None)
         if ent is None:
             gent = None
         with torch.autocast(hidden.device.type, enabled=False):
-            dh, dw, db = backward(hidden, weight, bias, labels, log_z, ent, glp, gent, need, ctx.o)
-        return dh, dw, db, None, None, None
+            dh, dw, db = backward(
+                hidden, weight, bias, labels, log_z, ent, glp, gent, need, ctx.o, kept
+            )
+        return dh, dw, db, None, None, None, None
 
 
 def _bits(outputs) -> int:
@@ -721,12 +770,14 @@ def fused_linear_logprob(
     outputs: tuple[str, ...] = ("log_probs",),
     ignore_index: int = -100,
     tile: tuple[int, int] | None = None,
+    keep_logits: bool | None = None,
 ) -> LogProbOutputs:
     """Per-token log-probabilities of `labels` under ``hidden[..., H] @ weight[V, H].T (+ bias)``
     with TRL's transform (logit_scale, softcap, then temperature), and the other fields named in
     `outputs`; each shaped like `labels`, None where not asked for. log_probs and entropy carry
     gradients to hidden, weight and bias; the others none. `tile` = (rows, cols) overrides the
-    logits tile (tests, tuning)."""
+    logits tile (tests, tuning). `keep_logits` holds the [N, V] logits for the backward, which
+    then skips a matmul (None: when they fit KERNELS_LOGPROB_KEEP_BYTES)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
             f"labels shape {tuple(labels.shape)} must equal hidden shape without its last "
@@ -762,10 +813,12 @@ def fused_linear_logprob(
     bias = None if bias is None else bias.contiguous()
     tr, tc = tile if tile is not None else (0, 0)
     cap = float(softcap) if softcap else None
+    if keep_logits is None:
+        keep_logits = 0 < rows.shape[0] * weight.shape[0] * rows.element_size() <= KEEP_LOGITS_BYTES
     if torch.compiler.is_compiling():
-        lp, ent, sq, mean, top1, _ = logprob_fwd(
+        lp, ent, sq, mean, top1, *_ = logprob_fwd(
             rows, weight, bias, flat_labels, float(temperature), cap, float(logit_scale), bits,
-            int(ignore_index), int(tr), int(tc),
+            int(ignore_index), int(tr), int(tc), bool(keep_logits),
         )  # fmt: skip
         sq, mean = sq.detach(), mean.detach()  # no gradient, as in the eager path
     else:
@@ -773,7 +826,9 @@ def fused_linear_logprob(
         save = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (rows, weight, bias)
         )
-        lp, ent, sq, mean, top1 = _LogProbFunction.apply(rows, weight, bias, flat_labels, o, save)
+        lp, ent, sq, mean, top1 = _LogProbFunction.apply(
+            rows, weight, bias, flat_labels, o, save, bool(keep_logits)
+        )
     shape = labels.shape
     return LogProbOutputs(
         lp.view(shape),
