@@ -22,6 +22,9 @@ from torch import nn
 from . import probes
 
 LAYER = "FusedQKVAttention"
+# The vision towers' packed attention (the Qwen2-VL family's): segments of cu_seqlens.
+VISION_LAYER = "VisionVarlenAttention"
+_VISION_ARGS = ("hidden_states", "cu_seqlens", "position_embeddings", "max_seqlen")
 # The class attribute the layer reads: (fused projection, output projection) child names.
 QKV_PROJECTIONS = "kernels_qkv_projections"
 
@@ -104,6 +107,19 @@ def _signature_problem(cls: type) -> str:
     return ""
 
 
+def _is_packed_vision(cls: type) -> bool:
+    """forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return (
+        tuple(p.name for p in params[:-1]) == _VISION_ARGS
+        and bool(params)
+        and params[-1].kind is params[-1].VAR_KEYWORD
+    )
+
+
 def _attribute_problem(module: nn.Module) -> str:
     for name in ("scaling", "attention_dropout"):
         value = getattr(module, name, None)
@@ -135,7 +151,9 @@ def _passes_the_layers_arguments(source: str) -> bool:
 
 def qkv_attention_verdict(module: nn.Module) -> tuple[str | None, str, tuple] | None:
     """None when ``module`` is no fused-qkv attention at all; else (the layer or None, the
-    reason when None, the class attributes the layer reads)."""
+    reason when None, the class attributes the layer reads). A vision tower's packed attention
+    (forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)) is probed
+    for VisionVarlenAttention instead."""
     cls = type(module)
     pair = _projections(module)
     if pair is None or not _calls_attention_functions(cls):
@@ -143,6 +161,15 @@ def qkv_attention_verdict(module: nn.Module) -> tuple[str | None, str, tuple] | 
     others = sorted(set(module._modules) - set(pair))
     if others:
         return None, f"holds more than its two projections: {', '.join(others)}", ()
+    if _is_packed_vision(cls):
+        heads = getattr(module, "num_heads", None)
+        problem = _attribute_problem(module)
+        if not problem and (not isinstance(heads, int) or isinstance(heads, bool)):
+            problem = "no integer num_heads attribute"
+        reason = problem or probes.probe_vision_attention(module, *pair)
+        if reason:
+            return None, reason, ()
+        return VISION_LAYER, "", ((QKV_PROJECTIONS, pair),)
     problem = _signature_problem(cls) or _attribute_problem(module)
     if problem:
         return None, problem, ()

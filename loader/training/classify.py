@@ -950,7 +950,8 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def attention_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict | None:
-    """FusedQKVAttention for Phi-3-style attention (attention.py); None for any other module."""
+    """FusedQKVAttention for Phi-3-style attention, VisionVarlenAttention for a vision tower's
+    packed attention (attention.py); None for any other module."""
     found = qkv_attention_verdict(module)
     if found is None:
         return None

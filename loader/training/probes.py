@@ -542,6 +542,60 @@ def probe_qkv_attention(module: nn.Module, qkv_name: str, out_name: str) -> str:
     return ""
 
 
+def vision_attention_reference(x, qkv, out, heads: int, scaling: float, cu_seqlens, cos, sin):
+    """What VisionVarlenAttention computes (no dropout): qkv(x) [S, 3, heads, D] split, q and k
+    rotated (rotate-half, cos/sin [S, D], in fp32), softmax attention within each
+    ``cu_seqlens`` segment, then ``out``."""
+    s = x.shape[0]
+    q, k, v = qkv(x).reshape(s, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+
+    def rotate(t):
+        half = t.shape[-1] // 2
+        turned = torch.cat((-t[..., half:], t[..., :half]), -1)
+        return (t.float() * cos[:, None].float() + turned.float() * sin[:, None].float()).to(t)
+
+    q, k = rotate(q), rotate(k)
+    pieces = []
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+        weights = torch.softmax((qs @ ks.transpose(-1, -2)) * scaling, dim=-1)
+        pieces.append((weights @ vs).transpose(0, 1))
+    return out(torch.cat(pieces).reshape(s, -1))
+
+
+def probe_vision_attention(module: nn.Module, qkv_name: str, out_name: str) -> str:
+    """ "" when the module's own forward computes ``vision_attention_reference``, else the
+    one-line reason. Probed through a shallow copy: 2 heads of 4, projections cut to width 8,
+    eager attention, three segments of unequal lengths."""
+    heads, head_dim = 2, 4
+    width = heads * head_dim
+    gen = torch.Generator().manual_seed(7)
+    probe = _probe_shell(module)
+    probe.training = False  # no dropout
+    probe.num_heads, probe.head_dim = heads, head_dim
+    probe.scaling = head_dim**-0.5
+    qkv = probe._modules[qkv_name] = _small_linear(module._modules[qkv_name], width, 3 * width, gen)
+    out = probe._modules[out_name] = _small_linear(module._modules[out_name], width, width, gen)
+    probe.config = _eager_config(module.config)
+    x = torch.randn(11, width, generator=gen)
+    cu_seqlens = torch.tensor([0, 4, 8, 11], dtype=torch.int32)
+    angles = torch.rand(11, head_dim // 2, generator=gen) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    try:
+        with torch.no_grad():
+            got = probe(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
+            want = vision_attention_reference(
+                x, qkv, out, heads, probe.scaling, cu_seqlens, cos, sin
+            )
+    except Exception as exc:  # noqa: BLE001 - a forward that needs more than these
+        return f"its forward failed on a probe input ({type(exc).__name__})"
+    got = got[0] if isinstance(got, tuple) else got
+    if not (isinstance(got, torch.Tensor) and _close(got, want, _FP32_RTOL)):
+        return "does not compute rotate-half attention within each cu_seqlens segment"
+    return ""
+
+
 # -- gated MLPs under other names -------------------------------------------------------------
 
 # The gated layers' activations, by the name the layers read from ``kernels_mlp_activation``:

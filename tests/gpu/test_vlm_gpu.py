@@ -82,6 +82,54 @@ def test_mrope_cos_sin_at_qwen2_5_vl_3b_shape(kt, dtype, layout, pairs):
     _check(sin, cols.double().sin(), dtype, "sin")
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["windows", "ragged"])
+def test_packed_vision_attention_at_qwen2_5_vl_3b_shape(kt, ragged):
+    """VisionVarlenAttention against Qwen2.5-VL's own vision attention (SDPA, bf16): 4 images of
+    1024 patches in windows of 64 (the tower's window layers), or with uneven segments; one SDPA
+    call against one per window; output and gradients within bf16 of each other."""
+    import importlib
+
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention
+
+    layer = importlib.import_module(f"{kt.__name__}.vision_layers").VisionVarlenAttention
+    config = Qwen2_5_VLVisionConfig(hidden_size=1280, num_heads=16, depth=1)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    module = Qwen2_5_VLVisionAttention(config).to("cuda", torch.bfloat16)
+    s = 4096
+    bounds = list(range(0, s + 1, 64))
+    if ragged:  # every fourth window split 40 + 24, as the edge windows of odd grids
+        bounds = sorted(set(bounds) | {b + 40 for b in bounds[:-1:4]})
+    cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+    angle = torch.rand(s, 40, device="cuda") * 100
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    x = torch.randn(s, 1280, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(s, 1280, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for forward in (type(module).forward, layer.forward):
+        module.zero_grad(set_to_none=True)
+        xl = x.clone().requires_grad_()
+        calls = []
+        real = torch.nn.functional.scaled_dot_product_attention
+
+        def counted(*args, _real=real, _calls=calls, **kwargs):
+            _calls.append(1)
+            return _real(*args, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = counted
+        try:
+            out = forward(module, xl, cu, (cos, sin))
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = real
+        out.backward(g)
+        results.append((len(calls), out, xl.grad, module.qkv.weight.grad, module.proj.weight.grad))
+    (family_calls, *want), (our_calls, *got) = results
+    assert family_calls == len(bounds) - 1 and our_calls == 1
+    for name, a, b in zip(("out", "dx", "dqkv", "dproj"), got, want, strict=True):
+        assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_vision_rotary_at_qwen2_5_vl_3b_shape(kt, dtype):
     """q, k [4096 patches, 16 heads, 80] as views of the fused qkv; fp32 cos/sin; gradients."""

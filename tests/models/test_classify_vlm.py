@@ -628,3 +628,35 @@ def test_a_layer_that_needs_the_weight_leaves_the_scale_free_instances_as_they_a
     verdict = _layouts_verdict(free, scaled)
     assert verdict.layer == "RMSNorm", verdict
     assert verdict.condition(scaled) and not verdict.condition(free)
+
+
+def _vision_attention_classes():
+    """Qwen2.5-VL's vision attention, and a class running the same forward code with its
+    vision rotary a no-op (the same structure, another function)."""
+    import types
+
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention
+
+    forward = Qwen2_5_VLVisionAttention.forward
+    unrotated = dict(forward.__globals__, apply_rotary_pos_emb_vision=lambda q, k, c, s: (q, k))
+    no_rotary = type(
+        "NoRotaryAttention",
+        (Qwen2_5_VLVisionAttention,),
+        {"forward": types.FunctionType(forward.__code__, unrotated, "forward",
+                                       forward.__defaults__, forward.__closure__)},
+    )  # fmt: skip
+    config = Qwen2_5_VLVisionConfig(hidden_size=32, num_heads=4, depth=1)
+    config._attn_implementation = "sdpa"
+    return Qwen2_5_VLVisionAttention(config), no_rotary(config)
+
+
+def test_packed_vision_attention_binds_where_it_attends_within_segments():
+    family, no_rotary = _vision_attention_classes()
+    plan = classify(Holder(family, no_rotary))
+    verdict = plan.classes[type(family)]
+    assert verdict.layer == "VisionVarlenAttention", verdict
+    assert dict(verdict.attributes)["kernels_qkv_projections"] == ("qkv", "proj")
+    other = plan.classes[type(no_rotary)]
+    assert other.layer is None
+    assert "rotate-half attention within each cu_seqlens segment" in other.reason, other

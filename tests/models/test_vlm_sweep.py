@@ -33,16 +33,17 @@ def mirror(hub):
 # model type -> {place: layers that must bind there}
 REPRESENTATIVES = {
     # Qwen2.5-VL: sectioned multimodal RoPE (t, h, w), the vision rotary over [S, H, D], RMSNorm
-    # and a gated MLP with biases in the tower; flattened patches with image_grid_thw
+    # and a gated MLP with biases in the tower, window attention over packed patches;
+    # flattened patches with image_grid_thw
     "qwen2_5_vl": {
         "text": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "MultimodalRotaryEmbedding"},
-        "vision": {"RMSNorm", "SwiGLUMLP", "vision_rotary_pos_emb"},
+        "vision": {"RMSNorm", "SwiGLUMLP", "vision_rotary_pos_emb", "VisionVarlenAttention"},
         "head": {"CausalLMHead"},
     },
     # Qwen3-VL: interleaved multimodal RoPE; LayerNorm and a GELU MLP in the tower
     "qwen3_vl": {
         "text": {"RMSNorm", "SwiGLUMLP", "rotary_pos_emb", "MultimodalRotaryEmbedding"},
-        "vision": {"LayerNorm", "GELUMLP", "vision_rotary_pos_emb"},
+        "vision": {"LayerNorm", "GELUMLP", "vision_rotary_pos_emb", "VisionVarlenAttention"},
         "head": {"CausalLMHead"},
     },
     # Gemma 3: SigLIP's LayerNorm and tanh-GELU MLP, the projector's Gemma norm, pooled images

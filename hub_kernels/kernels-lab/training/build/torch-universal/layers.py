@@ -489,5 +489,6 @@ from .vision_layers import (  # noqa: E402, F401
     GELUMLP,
     GELUNormMLP,
     MultimodalRotaryEmbedding,
+    VisionVarlenAttention,
     vision_rotary_pos_emb,
 )

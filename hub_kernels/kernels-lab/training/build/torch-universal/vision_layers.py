@@ -1,5 +1,6 @@
 """Layer classes of the vision-language models' modules (kernelize binds them like layers.py's):
-the multimodal rotary embedding, the vision towers' rotary function and non-gated GELU MLP.
+the multimodal rotary embedding, the vision towers' rotary function, non-gated GELU MLP and
+packed-segment attention.
 
 Which module each serves is decided by the loader's structure probes (kernels.training); the
 attributes they read besides the module's own are set on the module's class by those probes:
@@ -16,6 +17,7 @@ from ._common import has_hooks
 from .gelu_mlp import CODES, gelu_activation, gelu_mlp
 from .mrope import apply_vision_rotary_pos_emb, mrope_cos_sin
 from .swiglu import GELU_ERF
+from .vision_attention import vision_attention
 
 
 class MultimodalRotaryEmbedding(nn.Module):
@@ -89,3 +91,25 @@ class GELUNormMLP(nn.Module):
         fc1 = getattr(self, first)
         h = gelu_activation(fc1(x), act, in_place=not has_hooks(fc1))
         return getattr(self, second)(getattr(self, norm)(h))
+
+
+class VisionVarlenAttention(nn.Module):
+    """The Qwen2-VL family's vision attention ``forward(hidden_states, cu_seqlens,
+    position_embeddings, max_seqlen, **kwargs)``: fused ``qkv``, the vision rotary, attention
+    within each cu_seqlens segment (an image or a window) in one call of the model's attention
+    function instead of one per segment, ``proj`` (vision_attention.py)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        max_seqlen: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        return vision_attention(
+            self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, kwargs
+        )
