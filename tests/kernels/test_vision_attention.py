@@ -1,7 +1,7 @@
 """VisionVarlenAttention (vision_attention.py) against the family's own forward: Qwen2.5-VL's
-vision attention (transformers 5.24) over windows of one length and of several, with SDPA and
-eager attention; one attention call a layer instead of one per window; the segment lengths
-read once per cu_seqlens tensor."""
+vision attention (transformers 5.24) over windows of one length, of two, and images of two
+sizes, with SDPA and eager attention; one attention call per distinct segment length instead
+of one per segment; the segments read once per cu_seqlens tensor."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from _training_refs import assert_close
 HEADS, HEAD_DIM = 4, 8
 WIDTH = HEADS * HEAD_DIM
 EQUAL = [0, 6, 12, 18, 24]  # four windows of six: one batched call, no mask
-RAGGED = [0, 5, 12, 14, 24]  # edge windows of an image the window size does not divide
+RAGGED = [0, 6, 12, 18, 22, 28, 34, 38]  # windows of 6 and an image's edge windows of 4
+MIXED = [0, 9, 13, 22, 31]  # images of 9 and 4 patches (full-attention layers)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def run(forward, module, x, cu, cos, sin):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("bounds", [EQUAL, RAGGED], ids=["equal", "ragged"])
+@pytest.mark.parametrize("bounds", [EQUAL, RAGGED, MIXED], ids=["equal", "ragged", "mixed"])
 def test_matches_the_family_forward(layer, attn, bounds):
     module = family_attention(attn)
     x, cu, cos, sin = inputs(bounds)
@@ -65,7 +66,7 @@ def test_matches_the_family_forward(layer, attn, bounds):
         assert_close(g, w, torch.float32, name)
 
 
-@pytest.mark.parametrize("bounds", [EQUAL, RAGGED], ids=["equal", "ragged"])
+@pytest.mark.parametrize("bounds", [EQUAL, RAGGED, MIXED], ids=["equal", "ragged", "mixed"])
 def test_bf16_matches_the_family_forward(layer, bounds):
     module = family_attention("sdpa").to(torch.bfloat16)
     x, cu, cos, sin = inputs(bounds, torch.bfloat16)
@@ -85,7 +86,7 @@ class _CountSDPA(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("bounds", [EQUAL, RAGGED], ids=["equal", "ragged"])
+@pytest.mark.parametrize("bounds", [EQUAL, RAGGED, MIXED], ids=["equal", "ragged", "mixed"])
 def test_one_attention_call_for_all_windows(layer, bounds):
     module = family_attention("sdpa")
     x, cu, cos, sin = inputs(bounds)
@@ -94,21 +95,26 @@ def test_one_attention_call_for_all_windows(layer, bounds):
             type(module).forward(module, x, cu, (cos, sin))
         with _CountSDPA() as ours:
             layer.forward(module, x, cu, (cos, sin))
+    lengths = {b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a}
     assert family.calls == len(bounds) - 1
-    assert ours.calls == 1
+    assert ours.calls == len(lengths)  # one per distinct length: 1, 2 and 2 here
 
 
-def test_segment_lengths_read_once_per_tensor(va, monkeypatch):
+def test_segment_plan_read_once_per_tensor(va, monkeypatch):
     cu = torch.tensor(RAGGED, dtype=torch.int32)
-    assert va.segment_lengths(cu) == (5, 7, 2, 10)
+    plan = va.segment_plan(cu)
+    assert plan.lengths == (6, 6, 6, 4, 6, 6, 4)
+    rows = {length: r.tolist() for length, r in plan.groups}
+    assert rows[4] == [[18, 19, 20, 21], [34, 35, 36, 37]]
+    assert [r[0] for r in rows[6]] == [0, 6, 12, 22, 28]
     reads = []
     real = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
-    assert va.segment_lengths(cu) == (5, 7, 2, 10)
+    assert va.segment_plan(cu) is plan
     assert reads == []  # the same tensor, not written since: no host read
-    cu[2] = 10  # written in place: read again
-    assert va.segment_lengths(cu) == (5, 5, 4, 10)
-    assert reads == [1]
+    cu[4] = 24  # written in place: read again
+    assert va.segment_plan(cu).lengths == (6, 6, 6, 6, 4, 6, 4)
+    assert len(reads) == 1
     other = torch.tensor(EQUAL, dtype=torch.int32)  # another tensor: read
-    assert va.segment_lengths(other) == (6, 6, 6, 6)
-    assert reads == [1, 1]
+    assert va.segment_plan(other).lengths == (6, 6, 6, 6)
+    assert len(reads) == 2

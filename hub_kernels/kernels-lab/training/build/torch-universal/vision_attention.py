@@ -7,35 +7,56 @@ path (SDPA, eager) splits q, k and v into one piece per segment and calls attent
 at Qwen2.5-VL-3B's shape, 8 images of 448 x 448, 128 windows in each of 28 window layers, some
 3600 small attention calls a forward and as many in the backward, so the step follows the host.
 
-Here the segments are gathered into one batch [segments, heads, longest, head_dim] and attended
-in ONE call of the model's attention function; segments of one length (the windows of an image
-whose grid the window divides, the usual case) need no mask and no copy, others are padded and
-their padding keys masked. The padded query rows are dropped. The segment lengths are read to
-the host once per ``cu_seqlens`` tensor (the family reads them once per layer), as the split did.
+Here segments of one length are attended as one batch [segments, heads, length, head_dim] in
+ONE call of the model's attention function: no mask, no padding, the family's own numerics.
+When all segments have one length (the windows of images whose grid the window divides, the
+usual case) the batch is a view of the packed rows; otherwise each distinct length gathers its
+segments' rows, and the results are put back in place (an image's edge windows, images of
+several sizes: a handful of calls). The segments are read to the host once per ``cu_seqlens``
+tensor (the family reads them once per layer) and their row indices kept with them.
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from .mrope import apply_vision_rotary_pos_emb
 
-# The last cu_seqlens seen and its lengths: every window layer of a forward gets the same tensor.
-_LAST: list = [None, -1, ()]  # weakref to the tensor, its version, the lengths
+# The last cu_seqlens seen and its plan: every window layer of a forward gets the same tensor.
+_LAST: list = [None, -1, None]  # weakref to the tensor, its version, the plan
 
 
-def segment_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
-    """The segments' lengths, read to the host once per cu_seqlens tensor (a new tensor, or one
-    written in place since, is read again)."""
-    ref, version, lengths = _LAST
+class SegmentPlan(NamedTuple):
+    """The segments of one cu_seqlens: their lengths, and per distinct length the rows of the
+    segments of that length ([segments, length] on the tensor's device)."""
+
+    lengths: tuple[int, ...]
+    groups: tuple[tuple[int, torch.Tensor], ...]
+
+
+def segment_plan(cu_seqlens: torch.Tensor) -> SegmentPlan:
+    """The plan of `cu_seqlens`, read to the host once per tensor (a new tensor, or one written
+    in place since, is read again): the family reads the lengths once per layer."""
+    ref, version, plan = _LAST
     if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version:
-        return lengths
-    lengths = tuple(int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
-    _LAST[:] = [weakref.ref(cu_seqlens), cu_seqlens._version, lengths]
-    return lengths
+        return plan
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    lengths = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    starts: dict[int, list[int]] = {}
+    for start, length in zip(bounds[:-1], lengths, strict=True):
+        starts.setdefault(length, []).append(start)
+    groups = tuple(
+        (length, (torch.tensor(firsts)[:, None] + torch.arange(length)).to(cu_seqlens.device))
+        for length, firsts in starts.items()
+        if length > 0
+    )
+    plan = SegmentPlan(lengths, groups)
+    _LAST[:] = [weakref.ref(cu_seqlens), cu_seqlens._version, plan]
+    return plan
 
 
 def _call_keywords(module) -> dict:
@@ -46,28 +67,23 @@ def _call_keywords(module) -> dict:
 
 def packed_attention(module, q, k, v, cu_seqlens, attention, kwargs) -> torch.Tensor:
     """softmax(q k^T · scaling) v within each segment; q, k, v [S, H, D] -> [S, H, D], through
-    `attention` (transformers' attention-function signature) in one call."""
-    lengths = segment_lengths(cu_seqlens)
-    n, s = len(lengths), q.shape[0]
-    longest = max(lengths)
-    mask = None
-    if all(length == longest for length in lengths):
-        # [S, H, D] -> [segments, H, L, D]: a view of the packed rows, no copy
-        q, k, v = (t.reshape(n, longest, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-    else:
-        starts = cu_seqlens[:-1].to(torch.long)
-        steps = torch.arange(longest, device=q.device)
-        valid = steps[None, :] < torch.tensor(lengths, device=q.device)[:, None]  # [n, L]
-        index = torch.where(valid, starts[:, None] + steps[None, :], s - 1)
-        q, k, v = (t[index].transpose(1, 2) for t in (q, k, v))  # [n, H, L, D]
-        # an additive mask: eager adds it, SDPA takes it as it is; padding keys get -inf-ish
-        mask = torch.zeros(n, 1, longest, longest, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~valid[:, None, None, :], torch.finfo(q.dtype).min)
-    out = attention(module, q, k, v, attention_mask=mask, **_call_keywords(module), **kwargs)[0]
-    # out: [segments, longest, H, D]
-    if mask is None:
-        return out.reshape(s, *out.shape[2:])
-    return out[valid]
+    `attention` (transformers' attention-function signature): one call per distinct segment
+    length, no mask and no padding (segments of one length, the usual windows, in one call on a
+    view of the packed rows)."""
+    plan = segment_plan(cu_seqlens)
+    keywords = {**_call_keywords(module), **kwargs}
+    if len(plan.groups) == 1 and len(plan.lengths) * plan.groups[0][0] == q.shape[0]:
+        length = plan.groups[0][0]
+        # [S, H, D] -> [segments, H, L, D]: a view, no copy
+        q, k, v = (t.reshape(-1, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        out = attention(module, q, k, v, attention_mask=None, **keywords)[0]  # [n, L, H, D]
+        return out.reshape(-1, *out.shape[2:])
+    out = q.new_zeros(q.shape)
+    for _, rows in plan.groups:
+        parts = (t[rows].transpose(1, 2) for t in (q, k, v))  # [m, H, L, D]
+        part = attention(module, *parts, attention_mask=None, **keywords)[0]  # [m, L, H, D]
+        out = out.index_copy(0, rows.reshape(-1), part.reshape(-1, *part.shape[2:]))
+    return out
 
 
 def vision_attention(module, hidden_states, cu_seqlens, position_embeddings, max_seqlen, kwargs):
