@@ -118,3 +118,17 @@ def test_segment_plan_read_once_per_tensor(va, monkeypatch):
     other = torch.tensor(EQUAL, dtype=torch.int32)  # another tensor: read
     assert va.segment_plan(other).lengths == (6, 6, 6, 6)
     assert len(reads) == 2
+
+
+def test_compiled_layer_reads_each_calls_segments(layer, torch_path):
+    """Under torch.compile the segment plan is read per call, never baked into the graph: two
+    calls with the same number of tokens and other windows give the family's outputs."""
+    torch._dynamo.reset()
+    module = family_attention("sdpa")
+    compiled = torch.compile(layer.forward, backend="aot_eager")
+    for bounds in (RAGGED, [0, 4, 10, 16, 22, 26, 32, 38], EQUAL[:3] + [18, 38]):
+        x, cu, cos, sin = inputs(bounds)
+        with torch.no_grad():
+            want = type(module).forward(module, x, cu, (cos, sin))
+            got = compiled(module, x, cu, (cos, sin))
+        assert_close(got, want, torch.float32, str(bounds))

@@ -38,6 +38,8 @@ class SegmentPlan(NamedTuple):
     groups: tuple[tuple[int, torch.Tensor], ...]
 
 
+@torch.compiler.disable  # a host read (the family's split breaks the graph there too); traced,
+# the cached plan would be baked into the graph for later cu_seqlens of the same shape
 def segment_plan(cu_seqlens: torch.Tensor) -> SegmentPlan:
     """The plan of `cu_seqlens`, read to the host once per tensor (a new tensor, or one written
     in place since, is read again): the family reads the lengths once per layer."""
