@@ -530,31 +530,40 @@ def probe_qkv_attention(module: nn.Module, qkv_name: str, out_name: str) -> str:
         if rotary == 0:
             continue
         cos, sin = _cos_sin(2, 5, rotary, gen)
-        try:
-            with torch.no_grad():
-                got = probe(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)
-                want = qkv_attention_reference(x, qkv, out, head_dim, module.scaling, cos, sin)
-        except Exception as exc:  # noqa: BLE001 - a forward that needs more than these
-            return f"its forward failed on a probe input ({type(exc).__name__})"
-        got = got[0] if isinstance(got, tuple) else got
-        if not (isinstance(got, torch.Tensor) and _close(got, want, _FP32_RTOL)):
-            return "does not compute attention over [q | k | v] blocks with rotate-half RoPE"
+        reason = _forward_computes(
+            lambda cos=cos, sin=sin: (
+                probe(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None),
+                qkv_attention_reference(x, qkv, out, head_dim, module.scaling, cos, sin),
+            ),
+            "does not compute attention over [q | k | v] blocks with rotate-half RoPE",
+        )
+        if reason:
+            return reason
     return ""
+
+
+def _forward_computes(run: Callable[[], tuple], mismatch: str) -> str:
+    """ "" when ``run()`` (the module's output, the reference's) agree to fp32 rounding without
+    a gradient; else `mismatch`, or why the module's forward failed."""
+    try:
+        with torch.no_grad():
+            got, want = run()
+    except Exception as exc:  # noqa: BLE001 - a forward that needs more than these
+        return f"its forward failed on a probe input ({type(exc).__name__})"
+    got = got[0] if isinstance(got, tuple) else got
+    ok = isinstance(got, torch.Tensor) and _close(got, want, _FP32_RTOL)
+    return "" if ok else mismatch
 
 
 def vision_attention_reference(x, qkv, out, heads: int, scaling: float, cu_seqlens, cos, sin):
     """What VisionVarlenAttention computes (no dropout): qkv(x) [S, 3, heads, D] split, q and k
     rotated (rotate-half, cos/sin [S, D], in fp32), softmax attention within each
     ``cu_seqlens`` segment, then ``out``."""
+    from .multimodal import vision_rotary_reference  # multimodal imports this module
+
     s = x.shape[0]
     q, k, v = qkv(x).reshape(s, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
-
-    def rotate(t):
-        half = t.shape[-1] // 2
-        turned = torch.cat((-t[..., half:], t[..., :half]), -1)
-        return (t.float() * cos[:, None].float() + turned.float() * sin[:, None].float()).to(t)
-
-    q, k = rotate(q), rotate(k)
+    q, k = vision_rotary_reference(q, k, cos, sin)
     pieces = []
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -580,20 +589,14 @@ def probe_vision_attention(module: nn.Module, qkv_name: str, out_name: str) -> s
     probe.config = _eager_config(module.config)
     x = torch.randn(11, width, generator=gen)
     cu_seqlens = torch.tensor([0, 4, 8, 11], dtype=torch.int32)
-    angles = torch.rand(11, head_dim // 2, generator=gen) * 6
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-    try:
-        with torch.no_grad():
-            got = probe(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
-            want = vision_attention_reference(
-                x, qkv, out, heads, probe.scaling, cu_seqlens, cos, sin
-            )
-    except Exception as exc:  # noqa: BLE001 - a forward that needs more than these
-        return f"its forward failed on a probe input ({type(exc).__name__})"
-    got = got[0] if isinstance(got, tuple) else got
-    if not (isinstance(got, torch.Tensor) and _close(got, want, _FP32_RTOL)):
-        return "does not compute rotate-half attention within each cu_seqlens segment"
-    return ""
+    cos, sin = (t[0] for t in _cos_sin(1, 11, head_dim, gen))
+    return _forward_computes(
+        lambda: (
+            probe(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin)),
+            vision_attention_reference(x, qkv, out, heads, probe.scaling, cu_seqlens, cos, sin),
+        ),
+        "does not compute rotate-half attention within each cu_seqlens segment",
+    )
 
 
 # -- gated MLPs under other names -------------------------------------------------------------

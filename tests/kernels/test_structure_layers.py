@@ -40,12 +40,19 @@ def test_rms_norm_float_weight(kt, dtype):
 def test_weightless_rms_norm(kt, dtype):
     m = Holder()
     m.eps = 1e-5
-    x = torch.randn(4, 32, dtype=dtype, requires_grad=True)
-    y = _bind(kt.layers.WeightlessRMSNorm, m)(x)
+    _check_weightless(kt.layers.WeightlessRMSNorm, m, (4, 32), dtype)
+
+
+def _check_weightless(layer, m, shape, dtype):
+    """The layer bound to `m` (no weight) gives x_hat in `dtype` and its gradient, against
+    float64."""
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    y = _bind(layer, m)(x)
+    assert y.dtype == dtype and not hasattr(m, "weight")
     dy = torch.randn_like(y)
     y.backward(dy)
     x64 = leaf64(x)
-    ref = rms_norm64(x64, torch.ones(32, dtype=torch.float64), 1e-5)
+    ref = rms_norm64(x64, torch.ones(shape[-1], dtype=torch.float64), m.eps)
     ref.backward(dy.double())
     assert_close(y, ref, dtype, "y")
     assert_close(x.grad, x64.grad, dtype, "dx")
@@ -57,16 +64,7 @@ def test_rms_norm_float_weight_on_an_instance_without_a_weight(kt, dtype):
     norm's [B, T, H, D]: the weight-less norm, x_hat cast, gradients against float64."""
     m = Holder()
     m.eps, m.with_scale = 1e-6, False
-    x = torch.randn(2, 5, 3, 16, dtype=dtype, requires_grad=True)
-    y = _bind(kt.layers.RMSNormFloatWeight, m)(x)
-    assert y.dtype == dtype and not hasattr(m, "weight")
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    x64 = leaf64(x)
-    ref = rms_norm64(x64, torch.ones(16, dtype=torch.float64), 1e-6)
-    ref.backward(dy.double())
-    assert_close(y, ref, dtype, "y")
-    assert_close(x.grad, x64.grad, dtype, "dx")
+    _check_weightless(kt.layers.RMSNormFloatWeight, m, (2, 5, 3, 16), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -549,7 +549,7 @@ def backward(h_s, w_s, b_s, h_t, w_t, b_t, ign, s_lz, t_lz, aux, gdiv, need, o: 
             _project(t_tile, ht, w_t[c0:c1].to(ht.dtype))
             grad_fn(s_tile, t_tile, g, b_s, b_t, None if ign is None else ign[sl], s_lz[sl],
                     t_lz[sl], aux[sl], gdiv[sl], c0, o)  # fmt: skip
-            back_matmuls(g, w, hs, (r0, r1), (c0, c1), None if dh is None else dh[sl], acc,
+            back_matmuls(g, w, hs, r0, c0, c1, None if dh is None else dh[sl], acc,
                          dw, dw_acc, db)  # fmt: skip
         if dh_acc is not None:
             dh[sl].copy_(acc)

@@ -24,10 +24,10 @@ pass, and feeds it to the d(hidden) and d(weight) matmuls: 4 matmuls of N·H·V 
 Under no_grad nothing is kept for a backward.
 
 With ``keep_logits`` (or when the [N, V] logits fit ``KERNELS_LOGPROB_KEEP_BYTES``, 0 by default)
-the forward keeps every tile and the backward reads them instead of recomputing: 3 matmuls, the
-count of a head that materialises its logits, for N·V more bytes held between the passes. The
-backward writes d(out)/d(logits) into one tile buffer, so the kept logits stay intact (a second
-backward with ``retain_graph`` reads them again).
+the forward keeps the logits (made whole-row) and the backward reads them instead of recomputing
+their tiles: 3 matmuls, the count of a head that materialises its logits, for N·V more bytes held
+between the passes. The backward writes d(out)/d(logits) into one tile buffer, so the kept logits
+stay intact (a second backward with ``retain_graph`` reads them again).
 
 CUDA tensors run Triton; CPU tensors run the same chunked loop with torch formulas in fp32, or the
 Triton kernels under TRITON_INTERPRET=1. Registered as torch.library custom ops (fake and autograd
@@ -467,11 +467,11 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
         torch.mm(a, b, out=out)
 
 
-def back_matmuls(g, w, h, rows, cols, dh, acc, dw, dw_acc, db) -> None:
-    """Multiply one d(logits) tile `g` [rows, cols] back: into d(hidden) (`dh`, this tile's rows,
-    or the fp32 `acc` summed over vocabulary chunks), d(weight) (`dw`'s chunk rows, or the fp32
-    `dw_acc` summed over token chunks) and d(bias); a None target is not needed."""
-    (r0, _), (c0, c1) = rows, cols
+def back_matmuls(g, w, h, r0, c0, c1, dh, acc, dw, dw_acc, db) -> None:
+    """Multiply one d(logits) tile `g` (token rows from r0, vocabulary columns c0:c1) back: into
+    d(hidden) (`dh`, this tile's rows, or the fp32 `acc` summed over vocabulary chunks),
+    d(weight) (`dw`'s chunk rows, or the fp32 `dw_acc` summed over token chunks) and d(bias); a
+    None target is not needed."""
     if dh is not None:
         if acc is None:  # one vocabulary chunk: no sum across chunks
             torch.mm(g, w, out=dh)
@@ -577,7 +577,7 @@ def backward(hidden, weight, bias, labels, log_z, ent, glp, gent, need, o: _Opts
             None if ent is None else ent[r0:r1], None if glp is None else glp[r0:r1],
             None if gent is None else gent[r0:r1], c0, o, tile,
         )  # fmt: skip
-        back_matmuls(tile, w, h, (r0, r1), (c0, c1), None if dh is None else dh[r0:r1], acc,
+        back_matmuls(tile, w, h, r0, c0, c1, None if dh is None else dh[r0:r1], acc,
                      dw, dw_acc, db)  # fmt: skip
         if dh_acc is not None and c1 == vocab:
             dh[r0:r1].copy_(acc)
