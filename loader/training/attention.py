@@ -19,7 +19,7 @@ import textwrap
 
 from torch import nn
 
-from . import probes
+from . import multimodal, probes
 
 LAYER = "FusedQKVAttention"
 # The vision towers' packed attention (the Qwen2-VL family's): segments of cu_seqlens.
@@ -166,7 +166,7 @@ def qkv_attention_verdict(module: nn.Module) -> tuple[str | None, str, tuple] | 
         problem = _attribute_problem(module)
         if not problem and (not isinstance(heads, int) or isinstance(heads, bool)):
             problem = "no integer num_heads attribute"
-        reason = problem or probes.probe_vision_attention(module, *pair)
+        reason = problem or multimodal.probe_vision_attention(module, *pair)
         if reason:
             return None, reason, ()
         return VISION_LAYER, "", ((QKV_PROJECTIONS, pair),)

@@ -1,6 +1,6 @@
 """What the vision-language models' own modules compute, told apart by running them: the
 multimodal rotary embedding (which position axis each frequency takes), the vision towers'
-rotary function, and the non-gated GELU MLP's activation.
+rotary function and packed attention, and the non-gated GELU MLP's activation.
 
 Like probes.py, each probe runs the module's (or function's) own forward on small random CPU
 inputs next to the formula of the kernel layer that could serve it; nothing is read from a
@@ -17,7 +17,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .probes import _close, _cos_sin, _unhooked, rotate_half_reference
+from .probes import (
+    _close,
+    _cos_sin,
+    _eager_config,
+    _forward_computes,
+    _probe_shell,
+    _small_linear,
+    _unhooked,
+    rotate_half_reference,
+)
 
 # -- the multimodal rotary embedding ----------------------------------------------------------
 
@@ -170,3 +179,48 @@ def gelu_kind(act: nn.Module) -> str | None:
         if (out.double() - formula(x)).abs().max() <= 1e-5:
             return name
     return None
+
+
+# -- the vision towers' packed attention ------------------------------------------------------
+
+
+def vision_attention_reference(x, qkv, out, heads: int, scaling: float, cu_seqlens, cos, sin):
+    """What VisionVarlenAttention computes (no dropout): qkv(x) [S, 3, heads, D] split, q and k
+    rotated (rotate-half, cos/sin [S, D], in fp32), softmax attention within each
+    ``cu_seqlens`` segment, then ``out``."""
+    s = x.shape[0]
+    q, k, v = qkv(x).reshape(s, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = vision_rotary_reference(q, k, cos, sin)
+    pieces = []
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+        weights = torch.softmax((qs @ ks.transpose(-1, -2)) * scaling, dim=-1)
+        pieces.append((weights @ vs).transpose(0, 1))
+    return out(torch.cat(pieces).reshape(s, -1))
+
+
+def probe_vision_attention(module: nn.Module, qkv_name: str, out_name: str) -> str:
+    """ "" when the module's own forward computes ``vision_attention_reference``, else the
+    one-line reason. Probed through a shallow copy: 2 heads of 4, projections cut to width 8,
+    eager attention, three segments of unequal lengths."""
+    heads, head_dim = 2, 4
+    width = heads * head_dim
+    gen = torch.Generator().manual_seed(7)
+    probe = _probe_shell(module)
+    probe.training = False  # no dropout
+    probe.num_heads, probe.head_dim = heads, head_dim
+    probe.scaling = head_dim**-0.5
+    qkv = probe._modules[qkv_name] = _small_linear(module._modules[qkv_name], width, 3 * width, gen)
+    out = probe._modules[out_name] = _small_linear(module._modules[out_name], width, width, gen)
+    probe.config = _eager_config(module.config)
+    x = torch.randn(11, width, generator=gen)
+    cu_seqlens = torch.tensor([0, 4, 8, 11], dtype=torch.int32)
+    cos, sin = (t[0] for t in _cos_sin(1, 11, head_dim, gen))
+    return _forward_computes(
+        lambda: (
+            probe(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin)),
+            vision_attention_reference(x, qkv, out, heads, probe.scaling, cu_seqlens, cos, sin),
+        ),
+        "does not compute rotate-half attention within each cu_seqlens segment",
+    )
