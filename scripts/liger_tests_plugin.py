@@ -13,6 +13,9 @@ names in the installed liger_kernel's modules (the tests import them from there)
 | `LigerExperts` (transformers.swiglu) | transformers' MixtralExperts with our `MoEExperts` forward |
 | `LigerLayerNorm` (transformers.layer_norm) | Liger's module (its init) with `layer_norm` as forward |
 
+Liger's test_rope passes `device=` to transformers' `LlamaRotaryEmbedding`, which transformers 5
+no longer takes: the reference class gets that argument back (nothing else changes).
+
 Liger's functional wrappers (`liger_rope`, `liger_swiglu`, `liger_geglu`, `liger_layer_norm`)
 stay Liger's: the tests compare them with the Function classes, so those tests check ours
 against Liger. Names not listed (Mixtral's legacy block-sparse MLP, Falcon-H1's and Gemma 4's
@@ -137,10 +140,33 @@ def substitutes(kt) -> dict[str, dict[str, object]]:
     }
 
 
+def _rotary_reference_takes_device() -> None:
+    """Liger's test_rope builds its reference as `LlamaRotaryEmbedding(config=..., device=...)`;
+    transformers 5 dropped `device` (the forward moves inv_freq to the input's device). Give the
+    reference that argument back, unchanged otherwise, so the test file runs as Liger wrote it."""
+    import inspect
+
+    from transformers.models.llama import modeling_llama
+
+    base = modeling_llama.LlamaRotaryEmbedding
+    if "device" in inspect.signature(base.__init__).parameters:
+        return
+
+    class LlamaRotaryEmbedding(base):
+        def __init__(self, config, device=None):
+            super().__init__(config)
+            if device is not None:
+                self.to(device)
+
+    modeling_llama.LlamaRotaryEmbedding = LlamaRotaryEmbedding
+
+
 def pytest_configure(config):
     import importlib
 
     from bench_harness import load_training_kernels
+
+    _rotary_reference_takes_device()
 
     kt = load_training_kernels()
     for module_name, names in substitutes(kt).items():
