@@ -113,9 +113,9 @@ def _is_packed_vision(cls: type) -> bool:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return False
+    # the names match only with a fifth parameter after them, so params[-1] exists
     return (
         tuple(p.name for p in params[:-1]) == _VISION_ARGS
-        and bool(params)
         and params[-1].kind is params[-1].VAR_KEYWORD
     )
 

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the bench harness
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bench_cases_elementwise import _closures as closures  # noqa: E402 - the bench's (fwd, fwd_bwd)
 from bench_harness import load_training_kernels, per_call_us  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: E402
@@ -54,28 +55,6 @@ def peers(kt, m: int, n: int, dev: str, dt: torch.dtype) -> dict:
 
     return {"F.rms_norm": functional, "LlamaRMSNorm": lambda: module(False),
             "ours": lambda: module(True)}  # fmt: skip
-
-
-def closures(fn, leaves, graphs: bool):
-    """(fwd, fwd_bwd) as bench_cases_elementwise._closures makes them."""
-    g = {}
-
-    def step():
-        if graphs:  # each call a new CUDA-graph step, as in the bench
-            torch.compiler.cudagraph_mark_step_begin()
-        return fn()
-
-    def fwd():
-        with torch.no_grad():
-            return step()
-
-    def fwd_bwd():
-        out = step()
-        if "g" not in g:
-            g["g"] = torch.randn_like(out)
-        return torch.autograd.grad((out,), leaves, (g["g"],))
-
-    return fwd, fwd_bwd
 
 
 def aot_backend(seen: dict | None = None):
