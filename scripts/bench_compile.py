@@ -25,6 +25,12 @@ and peak memory against eager + kernels and against torch.compile) after every s
     python scripts/bench_compile.py --runs qwen3-8x2048,qwen3-1x2048 --setups ours,compile,ours-compile --out DIR
     python scripts/bench_compile.py --smoke                         # tiny shapes, CPU, seconds
 
+--rounds N runs the setup list N times, each round in the reverse order of the one before
+(ours, ours-compile, ... then ..., ours-compile, ours): an H200 held at its power cap runs its
+clock 1.5-1.75 GHz from one minute to the next, so a setup that always runs after another can
+look slower for its turn alone. Each shape's table then gives the median over the rounds (the
+largest peak) and every round's tokens/s.
+
 --smoke runs tiny models on the CPU with the aot_eager backend (Dynamo and AOTAutograd, no
 Inductor build; the modes are labels there) to test the plumbing.
 """
@@ -234,20 +240,52 @@ def child(args) -> dict:
 
 def verdict(row: dict, ours: dict | None, compiled: dict | None) -> str:
     """For a compile + kernels row: "met" when its tokens/s is at least eager + kernels' and
-    torch.compile's and its timed peak at most eager + kernels' + 5 %; else what misses."""
+    torch.compile's and its timed peak (under reduce-overhead, its whole run's) at most
+    eager + kernels' + 5 %; else what misses."""
     if not row["setup"].startswith("ours-compile") or ours is None or "error" in row:
         return ""
     miss = []
     best = max(r["tokens_per_s"] for r in (ours, compiled) if r is not None)
     if row["tokens_per_s"] < best:
         miss.append(f"tokens/s {row['tokens_per_s'] / best:.2f}x the better of ours, compile")
-    if row.get("peak_gib") and ours.get("peak_gib") and row["peak_gib"] > 1.05 * ours["peak_gib"]:
-        miss.append(f"peak {row['peak_gib'] / ours['peak_gib']:.2f}x ours")
+    # Under CUDA graphs the replays allocate nothing: their pool was allocated while recording,
+    # in the warm-up, so only the whole run's peak counts the memory they use.
+    peak = row.get("run_peak_gib") if row.get("mode") == "reduce-overhead" else row.get("peak_gib")
+    if peak and ours.get("peak_gib") and peak > 1.05 * ours["peak_gib"]:
+        miss.append(f"peak {peak / ours['peak_gib']:.2f}x ours")
     return "; ".join(miss) or "met"
 
 
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per setup, in first-seen order: over the rounds that measured it, the median
+    tokens/s and step time and the largest peaks, with every round's tokens/s in `per_round`;
+    an error row only where no round measured the setup."""
+    by_setup: dict[str, list[dict]] = {}
+    for r in rows:
+        by_setup.setdefault(r["setup"], []).append(r)
+    merged = []
+    for tries in by_setup.values():
+        ok = [r for r in tries if "error" not in r]
+        if not ok:
+            merged.append(tries[-1])
+            continue
+        row = dict(ok[0])
+        if len(tries) > 1:
+            row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in ok)
+            row["step_ms"] = statistics.median(r["step_ms"] for r in ok)
+            for key in ("peak_gib", "run_peak_gib"):
+                vals = [r[key] for r in ok if r.get(key) is not None]
+                row[key] = max(vals) if vals else None
+            row["per_round"] = [
+                f"{r['tokens_per_s'] / 1e3:.1f} k" if "error" not in r else "error" for r in tries
+            ]
+        merged.append(row)
+    return merged
+
+
 def table(rows: list[dict], run: str) -> str:
-    mine = [r for r in rows if r["run"] == run]
+    mine = merge_rounds([r for r in rows if r["run"] == run])
+    rounds = any("per_round" in r for r in mine)
     ok = {r["setup"]: r for r in mine if "error" not in r}
     ours, compiled = ok.get("ours"), ok.get("compile")
     spec = next(iter(ok.values()), None) or vars(RUNS[run])  # the shape the children ran
@@ -255,8 +293,9 @@ def table(rows: list[dict], run: str) -> str:
         f"### {run}: {spec['shape']}, batch {spec['batch']} x {spec['seq']}",
         "",
         "| setup | tokens/s | step ms | peak GiB (timed / whole run) | first step s | graphs, "
-        "breaks | tokens/s vs ours, vs compile | target (compile + kernels) |",
-        "|---|---|---|---|---|---|---|---|",
+        "breaks | tokens/s vs ours, vs compile | target (compile + kernels) |"
+        + (" tokens/s per round |" if rounds else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if rounds else ""),
     ]
     for r in mine:
         if "error" in r:
@@ -271,6 +310,7 @@ def table(rows: list[dict], run: str) -> str:
         lines.append(
             f"| {r['setup']} | {r['tokens_per_s'] / 1e3:.1f} k | {r['step_ms']:.0f} | {peak} | "
             f"{r['first_step_s']:.1f} | {graphs} | {rel} | {verdict(r, ours, compiled)} |"
+            + (f" {', '.join(r.get('per_round', []))} |" if rounds else "")
         )
     return "\n".join(lines)
 
@@ -306,6 +346,7 @@ def main() -> int:
     p.add_argument("--setups", default=",".join(DEFAULT_SETUPS))
     p.add_argument("--steps", type=int, default=18)
     p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=1, help="the setups N times, order alternating")
     p.add_argument("--setup-timeout", type=float, default=900.0, help="seconds per setup")
     p.add_argument(
         "--deadline",
@@ -367,31 +408,33 @@ def run_all(args) -> int:
     env = dict(os.environ, LOCAL_KERNELS=f"kernels-lab/training={VARIANT}")
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _on_sigterm)  # an outer `timeout`: the child is killed too
-    for run in runs:
-        for setup in setups:
-            if setup == "liger" and not have_liger:
-                rows.append({"setup": setup, "run": run, "error": "liger_kernel not importable"})
+    turns = [(run, i, setup) for run in runs for i in range(args.rounds)
+             for setup in (setups if i % 2 == 0 else setups[::-1])]  # fmt: skip
+    for run, rnd, setup in turns:
+        if setup == "liger" and not have_liger:
+            rows.append({"setup": setup, "run": run, "error": "liger_kernel not importable"})
+            continue
+        timeout = args.setup_timeout
+        if args.deadline is not None:
+            timeout = min(timeout, args.deadline - (time.monotonic() - started) - 10)
+            if timeout < 60:
+                rows.append({"setup": setup, "run": run, "error": "not run: --deadline"})
                 continue
-            timeout = args.setup_timeout
-            if args.deadline is not None:
-                timeout = min(timeout, args.deadline - (time.monotonic() - started) - 10)
-                if timeout < 60:
-                    rows.append({"setup": setup, "run": run, "error": "not run: --deadline"})
-                    continue
-            cmd = [sys.executable, __file__, "--child", setup, "--run", run,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--heartbeat", str(args.heartbeat)] + (["--smoke"] if args.smoke else [])  # fmt: skip
-            log(f"{run} / {setup}: start")
-            try:
-                row = run_setup(setup, cmd, env, timeout)
-            except _Terminated:
-                rows.append({"setup": setup, "run": run, "error": "terminated while it ran"})
-                print(write())
-                return 1
-            row.setdefault("run", run)
-            rows.append(row)
-            log(f"{run} / {setup}: " + (row.get("error") or f"{row['tokens_per_s']:.0f} tokens/s"))
-            write()
+        cmd = [sys.executable, __file__, "--child", setup, "--run", run,
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--heartbeat", str(args.heartbeat)] + (["--smoke"] if args.smoke else [])  # fmt: skip
+        log(f"{run} / {setup}: start")
+        try:
+            row = run_setup(setup, cmd, env, timeout)
+        except _Terminated:
+            rows.append({"setup": setup, "run": run, "error": "terminated while it ran"})
+            print(write())
+            return 1
+        row.setdefault("run", run)
+        row["round"] = rnd + 1
+        rows.append(row)
+        log(f"{run} / {setup}: " + (row.get("error") or f"{row['tokens_per_s']:.0f} tokens/s"))
+        write()
     print(write())
     return 0
 

@@ -31,6 +31,10 @@ def test_compile_with_kernels_meets_the_target_only_above_both_and_within_memory
     heavy = bench_compile.verdict(_row("ours-compile-cudagraphs", 120.0, 21.5), ours, compiled)
     assert heavy == "peak 1.07x ours"
     assert bench_compile.verdict(_row("liger", 50.0, 20.0), ours, compiled) == ""
+    # CUDA graphs: the timed steps allocate nothing, the pool recorded in the warm-up counts
+    graphed = _row("ours-compile-cudagraphs", 120.0, 6.0) | {"mode": "reduce-overhead",
+                                                              "run_peak_gib": 22.0}  # fmt: skip
+    assert bench_compile.verdict(graphed, ours, compiled) == "peak 1.10x ours"
 
 
 def test_table_lists_every_setup_and_errors():
@@ -40,6 +44,27 @@ def test_table_lists_every_setup_and_errors():
     text = bench_compile.table(rows, "qwen3-8x2048")
     assert "| ours-compile | 0.1 k |" in text and "1.10x , 1.38x | met |" in text
     assert "| liger | error: liger_kernel not importable |" in text
+
+
+def test_rounds_merge_to_the_median_per_setup_with_every_round_listed():
+    rows = [_row("ours", 100.0, 20.0), _row("ours-compile", 97.0, 20.4),
+            _row("ours-compile", 104.0, 20.6), _row("ours", 99.0, 20.1),
+            _row("ours", 101.0, 19.9), _row("ours-compile", 103.0, 20.5)]  # fmt: skip
+    merged = {r["setup"]: r for r in bench_compile.merge_rounds(rows)}
+    assert merged["ours"]["tokens_per_s"] == 100.0 and merged["ours"]["peak_gib"] == 20.1
+    assert merged["ours-compile"]["tokens_per_s"] == 103.0
+    assert merged["ours-compile"]["per_round"] == ["0.1 k", "0.1 k", "0.1 k"]
+    text = bench_compile.table(rows, "qwen3-8x2048")
+    assert "1.03x , - | met | 0.1 k, 0.1 k, 0.1 k |" in text
+    # a round that failed leaves the others' median; a setup no round measured stays an error
+    failed = {"setup": "compile", "run": "qwen3-8x2048", "error": "timeout"}
+    merged = bench_compile.merge_rounds([failed, _row("compile", 80.0, 60.0), dict(failed)])
+    assert merged[0]["tokens_per_s"] == 80.0 and merged[0]["per_round"] == [
+        "error",
+        "0.1 k",
+        "error",
+    ]
+    assert bench_compile.merge_rounds([failed])[0]["error"] == "timeout"
 
 
 def test_harness_compares_graphed_rows_with_graphed_peers():

@@ -7,13 +7,21 @@ profiles --steps steps and prints, per setup: the median step wall time, the GPU
 step, the number of kernel launches per step, and the kernels that take the most GPU time. A
 gap in kernel time names the extra work; a gap in wall time only is the host.
 
-    python scripts/probes/probe_compile_gap_gpu.py [--run qwen3-1x2048] [--top 12]
+--setups may repeat (ours,ours-compile,ours,ours-compile): a setup measured later in the process
+runs on a GPU that has been busy longer, so an alternating order shows whether a gap follows the
+setup or its turn. Each row records the SM clock, power and temperature (nvidia-smi) right after
+its profile; per kernel name, the difference between the first two setups is printed, once from
+each of their turns.
+
+    python scripts/probes/probe_compile_gap_gpu.py [--run qwen3-1x2048] [--setups ours,ours-compile]
+                                                   [--top 12]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -36,6 +44,17 @@ def _steps(model, opt, batches, torch) -> list[float]:
     return times
 
 
+def gpu_state() -> str:
+    """SM clock, power, temperature and active clock-event reasons of GPU 0, or why not."""
+    fields = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        out = f"nvidia-smi: {exc}"
+    return out or "nvidia-smi: no answer"
+
+
 def measure(setup: str, run, args) -> dict:
     import torch
     from bench_compile import build
@@ -52,6 +71,7 @@ def measure(setup: str, run, args) -> dict:
     walls = _steps(step_model, opt, batches[args.warm : args.warm + 3], torch)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _steps(step_model, opt, batches[args.warm : args.warm + args.steps], torch)
+    state = gpu_state()
     per_kernel: dict[str, float] = defaultdict(float)
     launches = 0
     for event in prof.events():
@@ -67,7 +87,18 @@ def measure(setup: str, run, args) -> dict:
         "gpu_ms": total / args.steps,
         "launches": launches / args.steps,
         "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top],
+        "per_kernel": dict(per_kernel),
+        "gpu": state,
     }
+
+
+def diff(a: dict, b: dict, steps: int, top: int) -> list[str]:
+    """Per kernel name, ms per step in b minus a, the largest differences first."""
+    names = set(a["per_kernel"]) | set(b["per_kernel"])
+    rows = [(b["per_kernel"].get(k, 0.0) - a["per_kernel"].get(k, 0.0), k) for k in names]
+    rows.sort(key=lambda r: -abs(r[0]))
+    return [f"  {d / steps:+8.2f}  {a['per_kernel'].get(k, 0.0) / steps:8.2f} -> "
+            f"{b['per_kernel'].get(k, 0.0) / steps:8.2f}  {k[:120]}" for d, k in rows[:top]]  # fmt: skip
 
 
 def main() -> int:
@@ -90,10 +121,22 @@ def main() -> int:
         return 2
     rows = [measure(s, RUNS[args.run], args) for s in args.setups.split(",")]
     print(f"{args.run}, {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    print("| setup | step wall ms | GPU kernel ms / step | launches / step |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['setup']} | {r['wall_ms']:.1f} | {r['gpu_ms']:.1f} | {r['launches']:.0f} |")
+    print(
+        "| turn | setup | step wall ms | GPU kernel ms / step | launches / step | "
+        "after the profile: SM MHz, W, C, clock events |"
+    )
+    print("|---|---|---|---|---|---|")
+    for i, r in enumerate(rows, 1):
+        print(f"| {i} | {r['setup']} | {r['wall_ms']:.1f} | {r['gpu_ms']:.1f} | "
+              f"{r['launches']:.0f} | {r['gpu']} |")  # fmt: skip
+    names = list(dict.fromkeys(r["setup"] for r in rows))
+    if len(names) >= 2:
+        firsts = [r for r in rows if r["setup"] == names[0]]
+        seconds = [r for r in rows if r["setup"] == names[1]]
+        for a, b in zip(firsts, seconds, strict=False):
+            turns = f"turns {rows.index(a) + 1} and {rows.index(b) + 1}"
+            print(f"\nkernel ms per step, {names[1]} minus {names[0]} ({turns}):")
+            print("\n".join(diff(a, b, args.steps, args.top)))
     for r in rows:
         print(f"\ntop kernels, {r['setup']} (ms per step):")
         for name, ms in r["top"]:
