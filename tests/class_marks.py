@@ -14,7 +14,7 @@ MARKS = (
     "kernel_layer_name", "kernel_condition", "__init__", "_kernels_unserved",
     "_kernels_attached_funcs", "kernels_logit_ops", "kernels_output_head",
     "kernels_shift_labels", "kernels_aux_loss", "kernels_mlp_projections",
-    "kernels_qkv_projections", "kernels_step_cache",
+    "kernels_qkv_projections", "kernels_step_cache", "kernels_input_embedding",
 )  # fmt: skip
 
 

@@ -590,11 +590,52 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         (DECODER_INPUTS, decoder_inputs),
         *(((LINEAR_HEAD, True),) if linear_head else ()),
         *(((STEP_CACHE, True),) if llama_style and _builds_dynamic_cache(model.model) else ()),
+        *(
+            ((INPUT_EMBEDDING, kind),)
+            if llama_style and (kind := _input_embedding(model.model))
+            else ()
+        ),
     )
     return Verdict("loss", layer, attributes=attributes)
 
 
 _KV_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+# The only lines of a decoder's forward that may name input_ids for the loss layers to embed
+# them: the parameter, the exactly-one-of check and its message, and the embedding itself.
+_IDS_PARAM = re.compile(r"^input_ids(: [\w.\[\] |]+)?( = None)?,$")
+_IDS_CHECK = "if (input_ids is None) ^ (inputs_embeds is not None):"
+_IDS_MESSAGE = 'raise ValueError("You must specify exactly one of input_ids or inputs_embeds")'
+_IDS_EMBED = re.compile(r"^inputs_embeds(: [\w.\[\] |]+)? = self\.embed_tokens\(input_ids\)$")
+_SCALED_FORWARD = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
+
+
+def _input_embedding(decoder: nn.Module) -> str | None:
+    """The input embedding's kind: "plain" (an ``nn.Embedding``) or "scaled" (transformers' ``*ScaledWordEmbedding``) when
+    the decoder's forward uses input_ids for nothing but ``self.embed_tokens(input_ids)`` and
+    that module is one of these; else None (the decoder embeds them itself, as it does now)."""
+    emb = getattr(decoder, "embed_tokens", None)
+    if not isinstance(emb, nn.Embedding):
+        return None
+    try:
+        source = inspect.getsource(inspect.unwrap(type(decoder).forward))
+    except (OSError, TypeError):
+        return None
+    uses = [line.strip() for line in source.splitlines() if "input_ids" in line]
+    embeds = [u for u in uses if _IDS_EMBED.match(u)]
+    others = [u for u in uses if not (_IDS_EMBED.match(u) or _IDS_PARAM.match(u))]
+    if len(embeds) != 1 or any(u not in (_IDS_CHECK, _IDS_MESSAGE) for u in others):
+        return None
+    cls = type(emb)
+    if cls is nn.Embedding:
+        return "plain"
+    if cls.__bases__ != (nn.Embedding,):
+        return None
+    try:
+        body = [line.strip() for line in inspect.getsource(cls.forward).splitlines()[1:]]
+    except (OSError, TypeError):
+        return None
+    return "scaled" if [b for b in body if b] == [_SCALED_FORWARD] else None
 
 
 def _builds_dynamic_cache(decoder: nn.Module) -> bool:
@@ -776,6 +817,9 @@ DECODER_INPUTS = "kernels_decoder_inputs"
 LINEAR_HEAD = "kernels_linear_head"
 # True: the decoder builds a DynamicCache when asked to; a training step hands it step_cache's
 STEP_CACHE = "kernels_step_cache"
+# "plain" or "scaled": the decoder uses input_ids only for embed_tokens, of that kind; a
+# compiled step embeds them itself, with eager's backward kernel (embedding.py)
+INPUT_EMBEDDING = "kernels_input_embedding"
 SHIFT_LABELS = "kernels_shift_labels"  # False: the loss takes the labels as they come
 AUX_LOSS = "kernels_aux_loss"  # (holder, coefficient attribute) of `loss += coef * aux_loss`
 _AUX_LOSS = re.compile(r"loss \+= self\.(config\.)?((?:text_config\.)?\w+) \* aux_loss")

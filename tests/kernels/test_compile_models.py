@@ -34,12 +34,14 @@ def _model_classes_restored():
 
 
 # (model type, attention, the custom ops the compiled graph must call: the loss head's too)
+# (embedding_fwd: the decoder's input embedding, whose compiled backward is eager's kernel; a
+# plain nn.Embedding for llama and qwen3_moe, Gemma-2's scaled one)
 FAMILIES = {
-    "llama": ("sdpa", ("flce_fwd", "rms_norm_fwd", "rope", "gated_mlp_fwd")),
+    "llama": ("sdpa", ("flce_fwd", "rms_norm_fwd", "rope", "gated_mlp_fwd", "embedding_fwd")),
     # Gemma-2: (1 + w) norms, GeGLU, final logit softcap in the fused loss; softcapped attention
     # logits need eager attention
-    "gemma2": ("eager", ("flce_fwd", "rms_norm_fwd", "rope", "gated_mlp_fwd")),
-    "qwen3_moe": ("sdpa", ("flce_fwd", "rms_norm_fwd", "rope", "moe_experts_fwd")),
+    "gemma2": ("eager", ("flce_fwd", "rms_norm_fwd", "rope", "gated_mlp_fwd", "embedding_fwd")),
+    "qwen3_moe": ("sdpa", ("flce_fwd", "rms_norm_fwd", "rope", "moe_experts_fwd", "embedding_fwd")),
 }
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from ._common import has_hooks
 from .cross_entropy import cross_entropy
+from .embedding import token_embedding
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .logprob import fused_linear_logprob
 from .step_cache import step_cache
@@ -507,6 +508,17 @@ def causal_lm_forward(
         # causal mask implicit (step_cache says why)
         cache = own_cache = step_cache(model, attention_mask, position_ids)
         use_cache = own_cache is not None
+    embedding = getattr(model, "kernels_input_embedding", None)
+    if (
+        embedding
+        and inputs_embeds is None
+        and input_ids is not None
+        and torch.compiler.is_compiling()
+    ):
+        # the probe saw the decoder use input_ids for this embedding only; traced here, its
+        # backward is eager's kernel (embedding.py says why). Eager calls stay as they were.
+        inputs_embeds = token_embedding(model.model.embed_tokens, input_ids, embedding)
+        input_ids = None
     outputs = model.model(
         input_ids=input_ids,
         attention_mask=attention_mask,

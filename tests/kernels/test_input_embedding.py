@@ -1,0 +1,91 @@
+"""The decoder's input embedding in a compiled step (embedding.py): which decoders the loader's
+probe lets the loss layers embed for, and when the op stands in for the module's call.
+
+Compiled, the op keeps the embedding's backward opaque, so it runs torch's own kernel instead of
+Inductor's fp32 decomposition; the whole-step equality with eager is in test_compile_models.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
+
+from loader.training.classify import _input_embedding
+from tests.class_marks import restored
+from tests.models.registry import causal_lm_class, tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _model_classes_restored():
+    with restored(("llama", "gemma2", "falcon_h1")):
+        yield
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kind"),
+    [
+        ("llama", "plain"),  # inputs_embeds = self.embed_tokens(input_ids)
+        ("gemma2", "scaled"),  # Gemma2TextScaledWordEmbedding: rows * embed_scale
+        # `self.embed_tokens(input_ids) * self.embedding_multiplier`: the decoder scales them
+        # itself, so handing it embeddings would drop the multiplier
+        ("falcon_h1", None),
+    ],
+)
+def test_probe_names_the_embedding_only_where_the_decoder_does_nothing_else(model_type, kind):
+    model = causal_lm_class(model_type)._from_config(tiny_config(model_type))
+    assert _input_embedding(model.model) == kind
+
+
+def test_probe_refuses_a_decoder_that_reads_input_ids_elsewhere():
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(8, 4)
+
+        def forward(self, input_ids=None, inputs_embeds=None):
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            return inputs_embeds + (input_ids == 0).unsqueeze(-1)
+
+    assert _input_embedding(Decoder()) is None
+
+
+def _graph_of(fn) -> str:
+    codes: list[str] = []
+
+    def backend(gm, inputs):
+        codes.append(gm.code)
+        return aot_eager(gm, inputs)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)()
+    out.sum().backward()
+    torch._dynamo.reset()
+    return codes[0]
+
+
+def test_compiled_embedding_uses_the_op_unless_the_module_has_a_hook(kt):
+    emb = sys.modules[kt.__name__ + ".embedding"]
+    module = nn.Embedding(16, 8, padding_idx=3)
+    ids = torch.randint(0, 16, (2, 5))
+    ids[0, 0] = 3  # the padding row gets no gradient, as in eager
+    ref = module(ids)
+    (ref * torch.arange(8.0)).sum().backward()
+    want = module.weight.grad.clone()
+    module.weight.grad = None
+
+    code = _graph_of(lambda: emb.token_embedding(module, ids, "plain") * torch.arange(8.0))
+    assert ".embedding_fwd." in code
+    torch.testing.assert_close(module.weight.grad, want)
+    assert module.weight.grad[3].abs().sum() == 0
+
+    seen = []
+    module.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    module.weight.grad = None
+    code = _graph_of(lambda: emb.token_embedding(module, ids, "plain") * torch.arange(8.0))
+    assert ".embedding_fwd." not in code and seen  # the hook ran: the module was called
+    torch.testing.assert_close(module.weight.grad, want)
