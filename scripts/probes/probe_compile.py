@@ -57,7 +57,7 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", "sdpa"),
 }
 OPS = ("flce_fwd", "ce_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "layer_norm_fwd", "rope",
-       "gated_mlp_fwd", "glu_fwd", "act_fwd", "moe_experts_fwd")  # fmt: skip
+       "gated_mlp_fwd", "glu_fwd", "act_fwd", "moe_experts_fwd", "embedding_fwd")  # fmt: skip
 
 
 def build(model_type: str, attn: str):

@@ -83,6 +83,19 @@ def test_compiled_embedding_uses_the_op_unless_the_module_has_a_hook(kt):
     torch.testing.assert_close(module.weight.grad, want)
     assert module.weight.grad[3].abs().sum() == 0
 
+    class Wrapped(nn.Module):  # what PEFT puts in its place: not the class the probe saw
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    module.weight.grad = None
+    code = _graph_of(lambda: emb.token_embedding(Wrapped(module), ids, "plain") * torch.arange(8.0))
+    assert ".embedding_fwd." not in code
+    torch.testing.assert_close(module.weight.grad, want)
+
     seen = []
     module.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
     module.weight.grad = None

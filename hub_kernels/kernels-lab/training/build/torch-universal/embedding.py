@@ -73,12 +73,16 @@ def _backward(ctx, grad):
 embedding_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _plain(module: nn.Module) -> bool:
-    """Whether calling the op is calling the module: F.embedding's defaults (no renorm, dense),
-    no hook around its forward (FSDP2 and ZeRO-3 gather the weight in one, tensor parallel
-    shards in one) and a plain tensor for a weight."""
+def _plain(module: nn.Module, kind: str) -> bool:
+    """Whether calling the op is calling the module: still the class the probe saw (PEFT may
+    have wrapped or replaced it since), F.embedding's defaults (no renorm, dense), no hook
+    around its forward (FSDP2 and ZeRO-3 gather the weight in one, tensor parallel shards in
+    one) and a plain tensor for a weight."""
+    cls = type(module)
+    seen = cls is nn.Embedding if kind == "plain" else cls.__bases__ == (nn.Embedding,)
     return (
-        module.max_norm is None
+        seen
+        and module.max_norm is None
         and not module.sparse
         and not module.scale_grad_by_freq
         and not has_hooks(module)
@@ -90,7 +94,7 @@ def token_embedding(module: nn.Module, ids: torch.Tensor, kind: str) -> torch.Te
     """``module(ids)`` for an input embedding of `kind`: "plain" (an ``nn.Embedding``) or
     "scaled" (transformers' ``*ScaledWordEmbedding``: the rows times ``embed_scale`` in the
     weight's dtype), which the loader's probe checked; through the ops while Dynamo traces."""
-    if not torch.compiler.is_compiling() or not _plain(module):
+    if not torch.compiler.is_compiling() or not _plain(module, kind):
         return module(ids)
     pad = -1 if module.padding_idx is None else module.padding_idx
     rows = embedding_fwd(module.weight, ids, pad)
