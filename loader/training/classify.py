@@ -14,8 +14,10 @@ the classes the layer names kernelize binds by.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -601,19 +603,48 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
 
 _KV_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
 
-# The only lines of a decoder's forward that may name input_ids for the loss layers to embed
-# them: the parameter, the exactly-one-of check and its message, and the embedding itself.
-_IDS_PARAM = re.compile(r"^input_ids(: [\w.\[\] |]+)?( = None)?,$")
-_IDS_CHECK = "if (input_ids is None) ^ (inputs_embeds is not None):"
-_IDS_MESSAGE = 'raise ValueError("You must specify exactly one of input_ids or inputs_embeds")'
-_IDS_EMBED = re.compile(r"^inputs_embeds(: [\w.\[\] |]+)? = self\.embed_tokens\(input_ids\)$")
 _SCALED_FORWARD = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
 
 
+def _embeds_ids_only(source: str) -> bool:
+    """Whether a decoder forward's source uses ``input_ids`` only as transformers' decoders do
+    around the embedding: the parameter, the exactly-one-of check
+    ``if (input_ids is None) ^ (inputs_embeds is not None)`` (and its raise), and
+    ``inputs_embeds = self.embed_tokens(input_ids)`` as the only statement of an
+    ``if inputs_embeds is None:`` block. Anything else (a multiplier, another call, an alias)
+    means handing the decoder embeddings would change what it computes."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return False
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef):
+        return False
+    allowed: set[int] = set()
+    embeds = 0
+    for node in ast.walk(func):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "inputs_embeds is None":
+            body = node.body
+            if (len(body) == 1 and not node.orelse
+                    and isinstance(body[0], ast.Assign | ast.AnnAssign)
+                    and ast.unparse(body[0].value) == "self.embed_tokens(input_ids)"
+                    and ast.unparse(body[0].targets[0] if isinstance(body[0], ast.Assign)
+                                    else body[0].target) == "inputs_embeds"):  # fmt: skip
+                embeds += 1
+                allowed |= {id(n) for n in ast.walk(body[0].value)}
+        if isinstance(node, ast.If) and ast.unparse(node.test) == (
+            "(input_ids is None) ^ (inputs_embeds is not None)"
+        ):
+            allowed |= {id(n) for n in ast.walk(node.test)}
+    uses = [n for n in ast.walk(func) if isinstance(n, ast.Name) and n.id == "input_ids"]
+    return embeds == 1 and all(id(n) in allowed for n in uses)
+
+
 def _input_embedding(decoder: nn.Module) -> str | None:
-    """The input embedding's kind: "plain" (an ``nn.Embedding``) or "scaled" (transformers' ``*ScaledWordEmbedding``) when
-    the decoder's forward uses input_ids for nothing but ``self.embed_tokens(input_ids)`` and
-    that module is one of these; else None (the decoder embeds them itself, as it does now)."""
+    """The input embedding's kind: "plain" (an ``nn.Embedding``) or "scaled" (transformers'
+    ``*ScaledWordEmbedding``) when the decoder's forward uses input_ids for nothing but
+    ``self.embed_tokens(input_ids)`` (see `_embeds_ids_only`) and that module is one of these;
+    else None (the decoder embeds them itself, as it does now)."""
     emb = getattr(decoder, "embed_tokens", None)
     if not isinstance(emb, nn.Embedding):
         return None
@@ -621,10 +652,7 @@ def _input_embedding(decoder: nn.Module) -> str | None:
         source = inspect.getsource(inspect.unwrap(type(decoder).forward))
     except (OSError, TypeError):
         return None
-    uses = [line.strip() for line in source.splitlines() if "input_ids" in line]
-    embeds = [u for u in uses if _IDS_EMBED.match(u)]
-    others = [u for u in uses if not (_IDS_EMBED.match(u) or _IDS_PARAM.match(u))]
-    if len(embeds) != 1 or any(u not in (_IDS_CHECK, _IDS_MESSAGE) for u in others):
+    if not _embeds_ids_only(source):
         return None
     cls = type(emb)
     if cls is nn.Embedding:

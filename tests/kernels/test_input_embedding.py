@@ -7,7 +7,9 @@ Inductor's fp32 decomposition; the whole-step equality with eager is in test_com
 
 from __future__ import annotations
 
+import linecache
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -40,18 +42,63 @@ def test_probe_names_the_embedding_only_where_the_decoder_does_nothing_else(mode
     assert _input_embedding(model.model) == kind
 
 
-def test_probe_refuses_a_decoder_that_reads_input_ids_elsewhere():
-    class Decoder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = nn.Embedding(8, 4)
+def _decoder(body: str) -> nn.Module:
+    """A decoder whose forward has transformers' signature and checks, then `body`."""
+    source = (
+        "def forward(\n"
+        "    self,\n"
+        "    input_ids: torch.LongTensor | None = None,\n"
+        "    inputs_embeds: torch.FloatTensor | None = None,\n"
+        "):\n"
+        "    if (input_ids is None) ^ (inputs_embeds is not None):\n"
+        '        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")\n'
+        + textwrap.indent(textwrap.dedent(body), "    ")
+    )
+    scope: dict = {"torch": torch}
+    exec(compile(source, "<decoder>", "exec"), scope)  # inspect needs a source: linecache
+    linecache.cache["<decoder>"] = (len(source), None, source.splitlines(True), "<decoder>")
+    cls = type("Decoder", (nn.Module,), {"forward": scope["forward"]})
+    decoder = cls()
+    decoder.embed_tokens = nn.Embedding(8, 4)
+    return decoder
 
-        def forward(self, input_ids=None, inputs_embeds=None):
-            if inputs_embeds is None:
-                inputs_embeds = self.embed_tokens(input_ids)
-            return inputs_embeds + (input_ids == 0).unsqueeze(-1)
 
-    assert _input_embedding(Decoder()) is None
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        ("if inputs_embeds is None:\n    inputs_embeds = self.embed_tokens(input_ids)\n"
+         "return inputs_embeds\n", "plain"),
+        # the decoder reads input_ids again: embeddings alone would lose that
+        ("if inputs_embeds is None:\n    inputs_embeds = self.embed_tokens(input_ids)\n"
+         "return inputs_embeds + (input_ids == 0).unsqueeze(-1)\n", None),
+        # a multiplier inside the block (Falcon-H1's kind, on two lines)
+        ("if inputs_embeds is None:\n    inputs_embeds = self.embed_tokens(input_ids)\n"
+         "    inputs_embeds = inputs_embeds * 2.0\nreturn inputs_embeds\n", None),
+        # input_ids handed on to another call
+        ("if inputs_embeds is None:\n    inputs_embeds = self.embed_tokens(input_ids)\n"
+         "return self.merge(\n    input_ids,\n    inputs_embeds,\n)\n", None),
+        # an alias
+        ("ids = input_ids\nif inputs_embeds is None:\n    inputs_embeds = self.embed_tokens(ids)\n"
+         "return inputs_embeds\n", None),
+        # embedding without the inputs_embeds check
+        ("inputs_embeds = self.embed_tokens(input_ids)\nreturn inputs_embeds\n", None),
+    ],
+)  # fmt: skip
+def test_probe_refuses_a_decoder_that_does_more_with_input_ids(body, kind):
+    assert _input_embedding(_decoder(body)) == kind
+
+
+def test_probe_refuses_an_embedding_subclass_with_another_forward():
+    class Doubled(nn.Embedding):
+        def forward(self, input_ids):
+            return super().forward(input_ids) * 2.0
+
+    decoder = _decoder(
+        "if inputs_embeds is None:\n    inputs_embeds = self.embed_tokens(input_ids)\n"
+        "return inputs_embeds\n"
+    )
+    decoder.embed_tokens = Doubled(8, 4)
+    assert _input_embedding(decoder) is None
 
 
 def _graph_of(fn) -> str:

@@ -79,7 +79,11 @@ def _plain(module: nn.Module, kind: str) -> bool:
     around its forward (FSDP2 and ZeRO-3 gather the weight in one, tensor parallel shards in
     one) and a plain tensor for a weight."""
     cls = type(module)
-    seen = cls is nn.Embedding if kind == "plain" else cls.__bases__ == (nn.Embedding,)
+    if kind == "plain":
+        seen = cls is nn.Embedding
+    else:  # the probe read the forward of a transformers *ScaledWordEmbedding
+        seen = (cls.__bases__ == (nn.Embedding,) and cls.__name__.endswith("ScaledWordEmbedding")
+                and hasattr(module, "embed_scale"))  # fmt: skip
     return (
         seen
         and module.max_norm is None
