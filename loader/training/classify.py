@@ -606,6 +606,14 @@ _KV_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
 _SCALED_FORWARD = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
 
 
+def _forward_source(module: nn.Module) -> str | None:
+    """The source of the module's class forward, or None where Python has none to give."""
+    try:
+        return inspect.getsource(inspect.unwrap(type(module).forward))
+    except (OSError, TypeError):
+        return None
+
+
 def _embeds_ids_only(source: str) -> bool:
     """Whether a decoder forward's source uses ``input_ids`` only as transformers' decoders do
     around the embedding: the parameter, the exactly-one-of check
@@ -648,11 +656,8 @@ def _input_embedding(decoder: nn.Module) -> str | None:
     emb = getattr(decoder, "embed_tokens", None)
     if not isinstance(emb, nn.Embedding):
         return None
-    try:
-        source = inspect.getsource(inspect.unwrap(type(decoder).forward))
-    except (OSError, TypeError):
-        return None
-    if not _embeds_ids_only(source):
+    source = _forward_source(decoder)
+    if source is None or not _embeds_ids_only(source):
         return None
     cls = type(emb)
     if cls is nn.Embedding:
@@ -670,11 +675,8 @@ def _builds_dynamic_cache(decoder: nn.Module) -> bool:
     """Whether the decoder's forward makes transformers' ``DynamicCache`` from its config when
     asked to cache, with key/value layers only (no recurrent state of a hybrid): the loss
     layers then hand it one that copies nothing (``step_cache``)."""
-    try:
-        source = inspect.getsource(inspect.unwrap(type(decoder).forward))
-    except (OSError, TypeError):
-        return False
-    if "= DynamicCache(config=self.config)" not in source:
+    source = _forward_source(decoder)
+    if source is None or "= DynamicCache(config=self.config)" not in source:
         return False
     from transformers.cache_utils import get_layer_types_and_kwargs
 
