@@ -101,3 +101,36 @@ def test_compiled_bound_model_calls_sdpa_causal(monkeypatch, model_type):
     assert found, "no SDPA call traced"
     for kwargs in found:
         assert kwargs.get("attn_mask") is None and kwargs.get("is_causal") is True, kwargs
+
+
+@pytest.mark.parametrize("tokens", [2048, 8192])  # torch's direct and sort-based kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_embedding_backward_records_in_a_cuda_graph(tokens, dtype):
+    """The compiled loss head's embedding_bwd (torch's kernel) records into a CUDA graph, as
+    reduce-overhead does, and a replay with new ids and gradients equals an eager call."""
+    import importlib
+
+    from tests.gpu.variant import load_variant
+
+    kt = load_variant("_kernels_training_compile_gpu_test")
+    emb = importlib.import_module(kt.__name__ + ".embedding")
+    vocab, pad = 4099, 3
+    grad = torch.randn(tokens, 64, device="cuda", dtype=dtype)
+    ids = torch.randint(0, vocab, (tokens,), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture, as torch.cuda.graphs advises
+        emb.embedding_bwd(grad, ids, vocab, pad)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = emb.embedding_bwd(grad, ids, vocab, pad)
+    ids.copy_(torch.randint(0, vocab, (tokens,), device="cuda"))
+    ids[:5] = pad  # the padding row gets no gradient
+    ids[5:40] = 7  # a repeated row sums
+    grad.copy_(torch.randn_like(grad))
+    graph.replay()
+    want = torch.ops.aten.embedding_dense_backward(grad, ids, vocab, pad, False)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert out[pad].abs().max() == 0 and out[7].abs().max() > 0

@@ -32,24 +32,9 @@ def _(weight, ids, padding_idx):
 def embedding_bwd(
     grad: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int
 ) -> torch.Tensor:
-    if grad.is_cuda and torch.cuda.is_current_stream_capturing():
-        # recording a CUDA graph (reduce-overhead): nothing here may wait on the host
-        return graph_safe_backward(grad, ids, num_weights, padding_idx)
+    # CUDA: no host sync, so a CUDA graph records it (reduce-overhead); checked on an H200 with
+    # new ids replayed (docs/benchmarks/compile-h200-2026-12-02-s7)
     return torch.ops.aten.embedding_dense_backward(grad, ids, num_weights, padding_idx, False)
-
-
-def graph_safe_backward(
-    grad: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int
-) -> torch.Tensor:
-    """embedding_dense_backward's value from fixed-size work only: the rows' gradients summed
-    into an fp32 [V, H] buffer by index_add_ (what Inductor's decomposition does), the padding
-    row's left at zero, cast to the gradient's dtype once."""
-    rows = grad.reshape(-1, grad.shape[-1]).float()
-    flat = ids.reshape(-1)
-    if padding_idx >= 0:
-        rows = rows.masked_fill((flat == padding_idx).unsqueeze(-1), 0.0)
-    out = torch.zeros((num_weights, grad.shape[-1]), dtype=torch.float32, device=grad.device)
-    return out.index_add_(0, flat, rows).to(grad.dtype)
 
 
 @embedding_bwd.register_fake
