@@ -524,10 +524,8 @@ def head_verdict(model: nn.Module, available: Callable[[str], str | None]) -> Ve
         # weight and bias as a plain Linear's
         if not (linear_head and probes.computes_linear(head)):
             return Verdict("loss", None, f"{head_path} is not a plain nn.Linear")
-    forward = inspect.unwrap(cls.forward)
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
+    source = _forward_source(cls)
+    if source is None:
         return Verdict("loss", None, "its forward's source cannot be read")
     # transformers' causal loss (labels shifted inside), or nn.CrossEntropyLoss over labels
     # the caller already shifted (BART-style decoders): the fused loss does either
@@ -606,10 +604,12 @@ _KV_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
 _SCALED_FORWARD = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
 
 
-def _forward_source(module: nn.Module) -> str | None:
-    """The source of the module's class forward, or None where Python has none to give."""
+def _forward_source(module: nn.Module | type) -> str | None:
+    """The source of the forward of a module's class (or of a class), or None where Python has
+    none to give."""
+    cls = module if isinstance(module, type) else type(module)
     try:
-        return inspect.getsource(inspect.unwrap(type(module).forward))
+        return inspect.getsource(inspect.unwrap(cls.forward))
     except (OSError, TypeError):
         return None
 
@@ -664,10 +664,10 @@ def _input_embedding(decoder: nn.Module) -> str | None:
         return "plain"
     if cls.__bases__ != (nn.Embedding,):
         return None
-    try:
-        body = [line.strip() for line in inspect.getsource(cls.forward).splitlines()[1:]]
-    except (OSError, TypeError):
+    source = _forward_source(cls)
+    if source is None:
         return None
+    body = [line.strip() for line in source.splitlines()[1:]]
     return "scaled" if [b for b in body if b] == [_SCALED_FORWARD] else None
 
 
@@ -696,9 +696,8 @@ def _loss_child(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(name, child) of the direct child whose loss the model's forward returns as it is: it
     passes the labels to that child's one call (``labels=labels``), returns ``loss=<out>.loss``
     and computes no loss of its own; None otherwise."""
-    try:
-        source = inspect.getsource(inspect.unwrap(type(model).forward))
-    except (OSError, TypeError):
+    source = _forward_source(model)
+    if source is None:
         return None
     source = "\n".join(_body_before(source, "\0"))  # the statements: no docstring
     if "loss_fct" in source or "self.loss_function" in source or "loss =" in source:
@@ -812,9 +811,8 @@ def _inner_logits_problem(model: nn.Module, top: str, head_path: str) -> tuple[s
     """What the inner language model's forward does to its head's output, as _logits_problem
     says it for the model itself; its scaling ops read from the model (``top.`` paths)."""
     inner = model.get_submodule(top)
-    try:
-        source = inspect.getsource(inspect.unwrap(type(inner).forward))
-    except (OSError, TypeError):
+    source = _forward_source(inner)
+    if source is None:
         return f"{top}'s forward's source cannot be read", ()
     rest = head_path[len(top) + 1 :]
     if "." in rest:
