@@ -9,7 +9,9 @@ hub_kernels` gives it, and every file's sha256 and size. Loading it takes a down
 each file is read from the package, checked against its recorded digest and size and stored in
 the cache's object store, the tree is published under the pseudo-endpoint "bundled" (records of
 one endpoint are never another's answer, so no Hub or mirror load takes it for theirs), and the
-verified tree is imported under its content-derived module name. docs/security.md ("Bundled
+verified tree is imported under its content-derived module name. Where the cache cannot be
+written (a shared read-only cache), the files are checked the same way and imported from the
+package's folder. docs/security.md ("Bundled
 training kernels") says what the copy is trusted for.
 """
 
@@ -144,8 +146,16 @@ def load(why: KernelsError) -> tuple[ModuleType, Path] | None:
     if source is None:
         return None
     bundle = read_bundle()
-    cache = open_cache(endpoint=ENDPOINT)
-    tree = install(cache, bundle, source)
+    where = ""
+    try:
+        tree = install(open_cache(endpoint=ENDPOINT), bundle, source)
+    except CacheError as exc:
+        # A cache this user cannot write (a shared one made read-only, a full disk): the
+        # package's own folder, as trusted as the loader beside it, is checked file by file
+        # against the record and imported where it is.
+        _checked_bytes(source, bundle)
+        tree = source
+        where = f"; imported from the package's folder: {exc.message.splitlines()[0]}"
     metadata = Metadata.read(tree / "metadata.json")
     check_python_depends(metadata)
     loaded = import_tree(
@@ -163,6 +173,6 @@ def load(why: KernelsError) -> tuple[ModuleType, Path] | None:
     notice_once(
         f"bundled:{bundle.repo_id}",
         f"kernels: {reason}; using the copy of {bundle.repo_id} v{bundle.version} bundled with "
-        f"kernels {__version__} ({bundle.commit[:12]}, every file verified)",
+        f"kernels {__version__} ({bundle.commit[:12]}, every file verified){where}",
     )
     return loaded.module, tree

@@ -7,10 +7,12 @@ checkout's hub_kernels/); tests/test_packaging.py runs the same fallback from a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -194,3 +196,63 @@ def test_a_changed_cached_tree_is_replaced_by_a_verified_copy(tmp_path):
     victim.write_bytes(good + b"\nEVIL = 1\n")
     assert bundled.install(cache, bundle, TREE) == tree
     assert victim.read_bytes() == good
+
+
+@contextlib.contextmanager
+def _read_only_folder(path: Path):
+    """An empty folder this process cannot write: a read-only tmpfs for root (who ignores
+    permission bits), a 0555 folder for anyone else; the test skips where root cannot mount."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(path)],
+                         capture_output=True, text=True)  # fmt: skip
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {out.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_cache_imports_the_checked_package_folder(monkeypatch, tmp_path, notices_seen):
+    """A shared cache this user cannot write, without the training kernels, offline: the switch
+    still binds the bundled copy, imported from the package's folder after every file was
+    checked, and the cache is left as it was."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with _read_only_folder(tmp_path / "shared-cache") as cache:
+        monkeypatch.setenv("KERNELS_CACHE", str(cache))
+        reference, model = tiny_llama(), tiny_llama()
+        report = kernels.apply_training_kernels(model)
+        assert len([e for e in report if e.status == "bound"]) >= 5, str(report)
+        mapping = kernels.training_kernel_mapping(tiny_llama())
+        trees = {Path(v.rsplit(":", 1)[0]).resolve() for v in mapping.values()}
+        assert trees == {TREE.resolve()}, trees
+        ids = torch.randint(0, 128, (2, 9))
+        losses = [m(input_ids=ids, labels=ids).loss for m in (reference, model)]
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        (shown,) = notices_seen()
+        assert "bundled with kernels" in shown and "imported from the package's folder" in shown
+        assert list(cache.iterdir()) == []
+
+
+def test_a_read_only_cache_still_refuses_changed_bundled_files(monkeypatch, tmp_path):
+    """The package-folder path checks the files as the cache path does: one changed byte in
+    the bundled copy is refused, nothing is imported from it."""
+    source = _copy(tmp_path)
+    path = source / "rms_norm.py"
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 1
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(bundled, "source_folder", lambda: source)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with _read_only_folder(tmp_path / "shared-cache") as cache:
+        monkeypatch.setenv("KERNELS_CACHE", str(cache))
+        with pytest.raises(kernels.IntegrityError, match="differ from their record"):
+            kernels.apply_training_kernels(tiny_llama())
+        assert list(cache.iterdir()) == []
