@@ -7,7 +7,11 @@ Python guard code parts, and the µs one guard check takes on its own locals (me
 200 checks). The per-layer slope separates what each decoder layer adds from the fixed part.
 Last, the guard kinds the bound model adds per layer (its guard tree against the plain one's).
 
-    python scripts/probes/probe_compile_guards_cpu.py [--layers 2,8,28]
+    python scripts/probes/probe_compile_guards_cpu.py [--layers 2,8,28] [--class-bound]
+
+--class-bound adds a third model: the bound one with each instance-level forward moved onto a
+per-module subclass (`module.__class__`), an experiment on what binding by class would save;
+its loss must equal the bound model's.
 """
 
 from __future__ import annotations
@@ -95,10 +99,24 @@ def _kinds(tree: str) -> collections.Counter:
     return out
 
 
+def class_bound(model) -> int:
+    """Move every instance-level bound forward onto a subclass of its module's class; how many."""
+    moved = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if forward is not None and hasattr(forward, "__func__"):
+            cls = type(module)
+            module.__class__ = type(f"Bound{cls.__name__}", (cls,), {"forward": forward.__func__})
+            del module.__dict__["forward"]
+            moved += 1
+    return moved
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="2,8,28")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--class-bound", action="store_true", help="also a class-bound copy")
     args = p.parse_args()
     os.environ.setdefault("LOCAL_KERNELS", f"kernels-lab/training={VARIANT}")
     import kernels
@@ -114,7 +132,17 @@ def main() -> int:
         bound = copy.deepcopy(plain)
         kernels.apply_training_kernels(bound)
         ids = torch.randint(0, 1024, (2, 32))
-        for name, model in (("plain", plain), ("bound", bound)):
+        models = [("plain", plain), ("bound", bound)]
+        if args.class_bound:
+            moved = copy.deepcopy(bound)
+            count = class_bound(moved)
+            same = torch.equal(
+                moved(input_ids=ids, labels=ids).loss, bound(input_ids=ids, labels=ids).loss
+            )
+            assert same, "the class-bound copy computes another loss"
+            print(f"{layers} layers: {count} forwards moved to their class, loss equal")
+            models.append(("class-bound", moved))
+        for name, model in models:
             rows[(layers, name)] = guard_facts(model, ids)
             trees[(layers, name)] = rows[(layers, name)]["tree"]
             time_checks(rows[(layers, name)], args.rounds)
@@ -127,7 +155,7 @@ def main() -> int:
     lo, hi = min(depths), max(depths)
     if hi > lo:
         print(f"\nper decoder layer, from {lo} to {hi} layers:")
-        for name in ("plain", "bound"):
+        for name in [n for n in ("plain", "bound", "class-bound") if (lo, n) in rows]:
             a, b = rows[(lo, name)], rows[(hi, name)]
             us = (b["check_us"] - a["check_us"]) / (hi - lo)
             nodes = (b["nodes"] - a["nodes"]) / (hi - lo)
