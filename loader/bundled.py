@@ -11,8 +11,8 @@ the cache's object store, the tree is published under the pseudo-endpoint "bundl
 one endpoint are never another's answer, so no Hub or mirror load takes it for theirs), and the
 verified tree is imported under its content-derived module name. Where the cache cannot be
 written (a shared read-only cache), the files are checked the same way and imported from the
-package's folder. docs/security.md ("Bundled
-training kernels") says what the copy is trusted for.
+package's folder. docs/security.md ("Bundled training kernels") says what the copy is trusted
+for.
 """
 
 from __future__ import annotations

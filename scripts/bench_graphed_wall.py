@@ -37,6 +37,8 @@ PEERS = {"native": "F.rms_norm reduce-overhead", "compile": "eager reduce-overhe
 
 
 def _timed_us(fn, calls: int) -> float:
+    """Wall µs per call over `calls` back-to-back calls, the GPU's drain included (unlike
+    bench_harness.host_us, which stops the clock before the last sync: the host's time only)."""
     import torch
 
     torch.cuda.synchronize()
@@ -158,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_graphed_wall: needs a CUDA GPU", file=sys.stderr)
         return 2
     import bench_cases_elementwise
+    from bench_harness import allow_many_compiles
     from bench_kernels import environment
     from bench_sweeps import SWEEPS
 
-    torch._dynamo.config.cache_size_limit = 256
-    torch._dynamo.config.accumulated_cache_size_limit = 4096
+    allow_many_compiles()
     bench_cases_elementwise.set_cudagraphs(True)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     cases = [

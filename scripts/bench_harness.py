@@ -191,6 +191,13 @@ def _wall_ms(fn: Callable[[], object], calls: int = WALL_CALLS) -> float:
     return do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
+def allow_many_compiles() -> None:
+    """Raise Dynamo's recompile limits: every case compiles its own module, and past the default
+    limits Dynamo would fall back to eager and time that instead."""
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+
+
 def host_us(fn: Callable[[], object], calls: int = 300, warmup: int = 1) -> float:
     """Host microseconds per call of fn(): `calls` calls back to back, one sync before and after
     (the GPU keeps up with small work, so this is the CPU's time to issue it)."""

@@ -172,14 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from bench_harness import format_table, measure_ceilings, run_case
+    from bench_harness import allow_many_compiles, format_table, measure_ceilings, run_case
 
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
-    # Every case compiles its own eager module; keep Dynamo from falling back to eager.
-    torch._dynamo.config.cache_size_limit = 256
-    torch._dynamo.config.accumulated_cache_size_limit = 4096
+    allow_many_compiles()
 
     if args.dtype != "bf16":
         import bench_cases_elementwise
