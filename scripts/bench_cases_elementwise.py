@@ -40,6 +40,17 @@ def set_cudagraphs(on: bool) -> None:
     CUDAGRAPHS = on
 
 
+# bench_graph_chain: ours inside torch.compile (default mode) too, as a compiled model runs it.
+COMPILED_OURS = False
+COMPILED_OURS_NAME = "ours torch.compile"
+
+
+def set_compiled_ours(on: bool) -> None:
+    """Add the "ours torch.compile" row to the cases built from now on."""
+    global COMPILED_OURS
+    COMPILED_OURS = on
+
+
 def _liger():
     """liger_kernel's modules, or the ImportError text (reported per case, not fatal)."""
     try:
@@ -106,6 +117,8 @@ def _impls(make_eager, make_ours, make_liger=None, extra: dict | None = None) ->
     if make_liger is not None:
         impls.append(Impl("liger", wrap(make_liger)))
     impls.append(Impl("ours", wrap(make_ours)))
+    if COMPILED_OURS:
+        impls.append(Impl(COMPILED_OURS_NAME, wrap(make_ours, True)))
     if CUDAGRAPHS:  # torch's implementations (fused by Inductor) and ours, under CUDA graphs
         for name, builder in (("eager", make_eager), *(extra or {}).items(), ("ours", make_ours)):
             impls.append(Impl(name + CUDAGRAPH_SUFFIX, wrap(builder, graphs=True)))

@@ -145,6 +145,20 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def host_bound_cases(sweeps: str, shapes: str) -> list:
+    """The cases of the comma-separated bench_sweeps names `sweeps` whose shape contains one of
+    the comma-separated `shapes`, built now (after any bench_cases_elementwise switches)."""
+    from bench_sweeps import SWEEPS
+
+    wanted = [s.strip() for s in shapes.split(",") if s.strip()]
+    return [
+        case
+        for sweep in sweeps.split(",")
+        for case in SWEEPS[sweep.strip()]()
+        if any(s in case.shape for s in wanted)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweeps", default="norms,rope")
@@ -162,17 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     import bench_cases_elementwise
     from bench_harness import allow_many_compiles
     from bench_kernels import environment
-    from bench_sweeps import SWEEPS
 
     allow_many_compiles()
     bench_cases_elementwise.set_cudagraphs(True)
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    cases = [
-        c
-        for sweep in args.sweeps.split(",")
-        for c in SWEEPS[sweep.strip()]()
-        if any(s in c.shape for s in shapes)
-    ]
+    cases = host_bound_cases(args.sweeps, args.shapes)
     rows = []
     for case in cases:
         case_rows = measure_case(case, args.calls, args.rounds)
