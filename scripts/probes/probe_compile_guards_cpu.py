@@ -12,6 +12,10 @@ Last, the guard kinds the bound model adds per layer (its guard tree against the
 --class-bound adds a third model: the bound one with each instance-level forward moved onto a
 per-module subclass (`module.__class__`), an experiment on what binding by class would save;
 its loss must equal the bound model's.
+
+--without-rope adds another: the bound one with its function bindings (RoPE: the attention's
+two owner hooks and its bindings dict) removed, so transformers' own RoPE runs; what the RoPE
+binding's guards cost. Its loss must be close to the bound model's (fp32 rounding apart).
 """
 
 from __future__ import annotations
@@ -112,11 +116,26 @@ def class_bound(model) -> int:
     return moved
 
 
+def without_function_bindings(model) -> int:
+    """Remove every owner's function bindings and its two hooks; how many owners."""
+    from kernels.layers import funcs
+
+    owners = 0
+    for module in model.modules():
+        if module.__dict__.pop(funcs._BINDINGS, None) is not None:
+            funcs._set_owner_hooks(module, False)
+            owners += 1
+    return owners
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", default="2,8,28")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--class-bound", action="store_true", help="also a class-bound copy")
+    p.add_argument(
+        "--without-rope", action="store_true", help="also the bound copy less its RoPE binding"
+    )
     args = p.parse_args()
     os.environ.setdefault("LOCAL_KERNELS", f"kernels-lab/training={VARIANT}")
     import kernels
@@ -142,6 +161,14 @@ def main() -> int:
             assert same, "the class-bound copy computes another loss"
             print(f"{layers} layers: {count} forwards moved to their class, loss equal")
             models.append(("class-bound", moved))
+        if args.without_rope:
+            unbound = copy.deepcopy(bound)
+            owners = without_function_bindings(unbound)
+            torch.testing.assert_close(
+                unbound(input_ids=ids, labels=ids).loss, bound(input_ids=ids, labels=ids).loss
+            )
+            print(f"{layers} layers: function bindings removed from {owners} owners, loss close")
+            models.append(("bound less RoPE", unbound))
         for name, model in models:
             rows[(layers, name)] = guard_facts(model, ids)
             trees[(layers, name)] = rows[(layers, name)]["tree"]
@@ -155,7 +182,8 @@ def main() -> int:
     lo, hi = min(depths), max(depths)
     if hi > lo:
         print(f"\nper decoder layer, from {lo} to {hi} layers:")
-        for name in [n for n in ("plain", "bound", "class-bound") if (lo, n) in rows]:
+        names = ("plain", "bound", "class-bound", "bound less RoPE")
+        for name in [n for n in names if (lo, n) in rows]:
             a, b = rows[(lo, name)], rows[(hi, name)]
             us = (b["check_us"] - a["check_us"]) / (hi - lo)
             nodes = (b["nodes"] - a["nodes"]) / (hi - lo)

@@ -8,7 +8,7 @@ bf16: ours as picked; ours at 1, 2 or 4 rows per program and 2-32 warps; for row
 4096 a looped kernel (each row in chunks, read twice, the second read an L2 hit: several rows in
 flight per SM) at a few chunk sizes and warps; and the compiled module. The output committed in
 docs/benchmarks/compile-h200-2026-12-02-s8/ also has two "rms_norm.py {'LOOP': ...}" rows: the
-same looped kernel offered to rms_norm.py's tuner on a tree since reverted (it won nowhere).
+same looped kernel offered to rms_norm.py's tuner on a tree since reverted.
 
     python scripts/probes/probe_norm_fwd_wide_gpu.py
 """
