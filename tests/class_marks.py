@@ -15,6 +15,7 @@ MARKS = (
     "_kernels_attached_funcs", "kernels_logit_ops", "kernels_output_head",
     "kernels_shift_labels", "kernels_aux_loss", "kernels_mlp_projections",
     "kernels_qkv_projections", "kernels_step_cache", "kernels_input_embedding",
+    "kernels_norm_casts_to_weight",
 )  # fmt: skip
 
 

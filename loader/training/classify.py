@@ -193,11 +193,14 @@ def norm_verdict(
         for m, v in bound
         if v.layer == layer or (v.layer == "WeightlessRMSNorm" and layer in WEIGHTLESS_SERVED_BY)
     }
-    return Verdict("norm", layer, condition=lambda m: _layout(m) in layouts)
+    attributes = next(v.attributes for _, v in bound if v.layer == layer)
+    return Verdict("norm", layer, condition=lambda m: _layout(m) in layouts, attributes=attributes)
 
 
 # Norm layers whose forward, given an instance without a weight, computes the weight-less norm.
 WEIGHTLESS_SERVED_BY = frozenset({"RMSNormFloatWeight"})
+# The class attribute RMSNorm and MemoryEfficientRMSNorm read (layers.py).
+NORM_CASTS_TO_WEIGHT = "kernels_norm_casts_to_weight"
 
 
 def _norm_layout_verdict(module: nn.Module, available: Callable[[str], str | None]) -> Verdict:
@@ -215,6 +218,10 @@ def _norm_layout_verdict(module: nn.Module, available: Callable[[str], str | Non
     missing = available(layer)
     if missing:
         return Verdict("norm", None, missing)
+    if layer == "RMSNorm" and probes.casts_to_weight_dtype(module):
+        # T5-style: the layer takes the module's own formula when x and the weight differ in
+        # dtype (an fp16 T5 keeps `wo` in fp32, so its residual stream is fp32).
+        return Verdict("norm", layer, attributes=((NORM_CASTS_TO_WEIGHT, True),))
     return Verdict("norm", layer)
 
 

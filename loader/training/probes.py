@@ -158,6 +158,21 @@ def probe_norm(module: nn.Module) -> tuple[str | None, str]:
     return fits[0], ""
 
 
+def casts_to_weight_dtype(module: nn.Module) -> bool:
+    """Whether the norm casts x̂ to its weight's dtype when that is 16-bit (T5LayerNorm and its
+    copies), found by running it on an fp32 input with a bf16 weight: Llama's norm returns fp32
+    there, T5's bf16. With x and the weight in one dtype the two compute the same."""
+    try:
+        probe = _materialized(module, seed=0)
+        width = norm_width(module) or 8
+        probe.weight.data = probe.weight.data.bfloat16()
+        x = torch.randn(2, width, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            return probe(x).dtype == torch.bfloat16
+    except Exception:  # noqa: BLE001 - a forward that refuses mixed dtypes casts to neither
+        return False
+
+
 # -- MLPs -------------------------------------------------------------------------------------
 
 SILU_NAMES = frozenset({"SiLUActivation", "SiLU"})

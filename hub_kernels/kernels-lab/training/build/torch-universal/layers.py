@@ -70,6 +70,25 @@ def _gelu_approximate(act: nn.Module) -> str:
     raise ValueError(f"GeGLUMLP needs a GELU act_fn, got {name}; map this MLP to another layer")
 
 
+# Marked by the binder on norm classes that cast x̂ to a 16-bit weight's dtype (T5LayerNorm and
+# its copies). Where x and the weight share a dtype that is Llama's formula; where they differ
+# (an fp16 T5 keeps `wo` in fp32, so its residual stream is fp32) the result's dtype and
+# rounding are not, and the layer computes T5's formula itself.
+_CASTS_TO_WEIGHT = "kernels_norm_casts_to_weight"
+
+
+def _t5_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """T5LayerNorm's result: x̂ in fp32, cast to the weight's dtype when that is 16-bit."""
+    h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        h = h.to(weight.dtype)
+    return weight * h
+
+
+def _mixed_t5(module: nn.Module, x: torch.Tensor) -> bool:
+    return x.dtype != module.weight.dtype and getattr(module, _CASTS_TO_WEIGHT, False)
+
+
 class RMSNorm(nn.Module):
     """LlamaRMSNorm / Qwen3RMSNorm (also over the last dim of [B, T, H, D] for q/k norms)."""
 
@@ -77,6 +96,8 @@ class RMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if _mixed_t5(self, hidden_states):
+            return _t5_rms_norm(hidden_states, self.weight, _eps(self))
         return rms_norm(hidden_states, self.weight, _eps(self))
 
 
@@ -93,6 +114,8 @@ class MemoryEfficientRMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if _mixed_t5(self, hidden_states):
+            return _t5_rms_norm(hidden_states, self.weight, _eps(self))
         return rms_norm(hidden_states, self.weight, _eps(self), save_output=True)
 
 

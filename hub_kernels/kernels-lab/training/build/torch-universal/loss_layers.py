@@ -41,7 +41,7 @@ class ForCausalLM(nn.Module):
     """``XForCausalLM.forward`` (transformers 5.x) with the fused linear cross-entropy loss."""
 
     has_backward = True
-    # The loss functions are torch.compiler.disable'd: a compiled model graph-breaks around them.
+    # Traced whole under torch.compile: the loss head is the flce_fwd op (docs/compile.md).
     can_torch_compile = True
 
     def forward(
