@@ -21,6 +21,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ..layers.decorators import function_key, replace_kernel_forward_from_hub
@@ -318,18 +319,24 @@ def _serves_named_gated(module: nn.Module) -> bool:
     dropout_rate), nor one whose projections differ in dtype (T5 keeps ``wo`` in fp32 under an
     fp16 load, and its own forward casts to it; the fused layer would not), and its activation
     is the one its class was marked with (``_pins_activation``)."""
-    if _active_dropout(module):
-        return False
-    names = getattr(module, MLP_PROJECTIONS, ())
-    if len({module._modules[n].weight.dtype for n in names if n in module._modules}) > 1:
+    if _active_dropout(module) or _mixed_dtypes(module):
         return False
     return _pins_activation(module)
 
 
 def _serves_plain(module: nn.Module) -> bool:
     """Per instance, when it is bound: no active dropout (the class may differ per instance:
-    T5's dropout_rate), and its activation is the one its class was marked with."""
-    return not _active_dropout(module) and _pins_activation(module)
+    T5's dropout_rate), projections of one dtype (T5's and UDOP's wi -> relu -> wo keep ``wo``
+    in fp32 under an fp16 load), and its activation is the one its class was marked with."""
+    return not _active_dropout(module) and not _mixed_dtypes(module) and _pins_activation(module)
+
+
+def _mixed_dtypes(module: nn.Module) -> bool:
+    """Whether the children its MLP layer runs (``kernels_mlp_projections``) hold weights of
+    more than one dtype: the module's own forward casts between them, the fused layer would not."""
+    children = (module._modules.get(n) for n in getattr(module, MLP_PROJECTIONS, ()))
+    weights = (getattr(c, "weight", None) for c in children)
+    return len({w.dtype for w in weights if isinstance(w, torch.Tensor)}) > 1
 
 
 def _pins_activation(module: nn.Module) -> bool:

@@ -31,11 +31,11 @@ def test_the_probe_tells_t5_style_norms_from_llama_ones():
     assert not casts_to_weight_dtype(LlamaRMSNorm(16))
 
 
-def _fp16_t5_with_wo_in_fp32() -> T5ForConditionalGeneration:
+def _fp16_t5_with_wo_in_fp32(feed_forward: str) -> T5ForConditionalGeneration:
     """A tiny T5 as an fp16 load leaves it: everything fp16 but the feed-forward ``wo``."""
     config = T5Config(
         vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
-        num_heads=2, feed_forward_proj="gated-gelu", dropout_rate=0.0, decoder_start_token_id=0,
+        num_heads=2, feed_forward_proj=feed_forward, dropout_rate=0.0, decoder_start_token_id=0,
         pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -46,8 +46,13 @@ def _fp16_t5_with_wo_in_fp32() -> T5ForConditionalGeneration:
     return model
 
 
-def test_an_fp16_t5_keeping_wo_in_fp32_runs_bound_and_matches_its_own_forward(local_kernels):
-    plain = _fp16_t5_with_wo_in_fp32()
+# Flan-T5's gated feed-forward, and the original T5's (and UDOP's) wi -> relu -> wo, which the
+# loader binds to GELUMLP: neither MLP layer may serve projections of two dtypes.
+@pytest.mark.parametrize("feed_forward", ["gated-gelu", "relu"])
+def test_an_fp16_t5_keeping_wo_in_fp32_runs_bound_and_matches_its_own_forward(
+    local_kernels, feed_forward
+):
+    plain = _fp16_t5_with_wo_in_fp32(feed_forward)
     bound = copy.deepcopy(plain)
     report = kernels.apply_training_kernels(bound)
     norms = [m for m in bound.modules() if isinstance(m, T5LayerNorm)]
