@@ -58,10 +58,12 @@ SETUPS = {
     "ours": (True, None),
     "compile": (False, "default"),
     "ours-compile": (True, "default"),
+    # the same without the residual-add fusion pass (compile_fusion.py): its A/B
+    "ours-compile-nofuse": (True, "default"),
     "ours-compile-max-autotune": (True, "max-autotune-no-cudagraphs"),
     "ours-compile-cudagraphs": (True, "reduce-overhead"),
 }
-DEFAULT_SETUPS = [s for s in SETUPS if s != "eager"]
+DEFAULT_SETUPS = [s for s in SETUPS if s not in ("eager", "ours-compile-nofuse")]
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,9 @@ def build(setup: str, run: Run, device: str, smoke: bool):
         _apply_liger_kernel_to_instance(model=model)
     elif SETUPS[setup][0]:
         import kernels
+
+        if setup == "ours-compile-nofuse":  # read by the kernels when the first norm is traced
+            os.environ["KERNELS_COMPILE_FUSION"] = "0"
 
         report = kernels.apply_training_kernels(model)
         bound = {}

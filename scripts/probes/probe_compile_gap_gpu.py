@@ -20,6 +20,7 @@ each of their turns.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,10 @@ def measure(setup: str, run, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     model, _ = build("ours" if setup != "compile" else "compile", run, "cuda", smoke=False)
-    step_model = torch.compile(model) if setup in ("ours-compile", "compile") else model
+    # ours-compile-nofuse: without the kernels' residual-add fusion pass (read per compile)
+    os.environ["KERNELS_COMPILE_FUSION"] = "0" if setup == "ours-compile-nofuse" else "1"
+    compiled = setup in ("ours-compile", "ours-compile-nofuse", "compile")
+    step_model = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(1234)
     n = args.warm + args.steps
@@ -102,8 +106,6 @@ def diff(a: dict, b: dict, steps: int, top: int) -> list[str]:
 
 
 def main() -> int:
-    import os
-
     import torch
     from bench_compile import RUNS, VARIANT
 

@@ -140,3 +140,51 @@ def test_embedding_backward_records_in_a_cuda_graph(kt, tokens, dtype):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     assert out[pad].abs().max() == 0 and out[7].abs().max() > 0
+
+
+@pytest.mark.parametrize("shape", [(2, 512, 1024), (4096, 4096)])
+def test_inductor_fuses_the_residual_add_into_the_norm(kt, shape):
+    """Inductor with the kernels' post-grad pass (compile_fusion.py): s = a + b and its norm run
+    as one add_rms_norm_fwd, the backward's dx + (s's other gradient) as one add_rms_norm_bwd;
+    y and s equal eager's kernels bit for bit (the sum is rounded once, to nearest, by both),
+    the gradients within bf16's rounding of float64 ones."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+
+    def fn(a, b, w, c):
+        s = a + b
+        y = kt.rms_norm(s, w, 1e-6)
+        return y, s, (y.float() * c).sum() + (s.float() * c).sum()
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, b, c = (torch.randn(shape, device="cuda", generator=gen) for _ in range(3))
+    w = 1 + 0.1 * torch.randn(shape[-1], device="cuda", generator=gen)
+
+    def leaves(dtype):
+        return [t.to(dtype).requires_grad_() for t in (a, b, w)]
+
+    got = leaves(torch.bfloat16)
+    compiled = torch.compile(fn)
+
+    def step():  # AOTAutograd compiles the backward at its first call
+        y, s, loss = compiled(*got, c)
+        loss.backward()
+        return y, s
+
+    (y, s), codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    assert "add_rms_norm_fwd" in code and "add_rms_norm_bwd" in code
+    assert ".rms_norm_fwd.default" not in code and ".rms_norm_bwd.default" not in code
+    with torch.no_grad():
+        s_eager = got[0] + got[1]
+        y_eager = kt.rms_norm(s_eager, got[2], 1e-6)
+    torch.testing.assert_close(s, s_eager, rtol=0, atol=0)
+    torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
+    exact = leaves(torch.float64)
+    fn(*exact, c)[2].backward()
+    step = torch.finfo(torch.bfloat16).eps
+    for g, e in zip(got, exact, strict=True):
+        torch.testing.assert_close(
+            g.grad.double(), e.grad, rtol=step, atol=step * e.grad.abs().max().item()
+        )

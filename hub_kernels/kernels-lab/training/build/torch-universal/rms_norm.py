@@ -776,6 +776,11 @@ def rms_norm_fwd(
 
 @rms_norm_fwd.register_fake
 def _(x, weight, eps, gemma, save_output, offset=0.0, mode=LLAMA):
+    # Traced for a compile: let Inductor fuse the residual adds around the norms (idempotent;
+    # each trace checks, as a config.patch context may have reset the slot since).
+    from . import compile_fusion
+
+    compile_fusion.install()
     y = x.new_empty(x.shape, dtype=out_dtype(x, weight, _op_numerics(gemma, offset, mode)))
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
