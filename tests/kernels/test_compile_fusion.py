@@ -238,3 +238,33 @@ def test_the_environment_turns_the_rewrite_off_and_changes_the_cache_key(kt, mon
     inductor_config.post_grad_custom_post_pass = None
     _trace_a_norm(kt)
     assert inductor_config.post_grad_custom_post_pass is None  # nor is it installed
+
+
+def test_inductor_runs_the_pass_with_symbolic_lengths(kt, torch_path):
+    """Inductor itself (its C++ build on the CPU, about 10 s here): the pass runs from the slot
+    on graphs whose lengths are symbolic, and the step equals the uncompiled function's."""
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(lambda *t: _norm_and_sum(kt, *t), dynamic=True)
+    for length in (8, 12):
+        a, b, c = (torch.randn(2, length, 32) for _ in range(3))
+        w = 1 + 0.1 * torch.randn(32)
+        got = [t.clone().requires_grad_() for t in (a, b, w)]
+        want = [t.clone().requires_grad_() for t in (a, b, w)]
+
+        def step(got=got, c=c):  # AOTAutograd compiles the backward at its first call
+            y, s, loss = compiled(*got, c)
+            loss.backward()
+            return y, s
+
+        (y, s), codes = run_and_get_code(step)
+        y_ref, s_ref, loss_ref = _norm_and_sum(kt, *want, c)
+        loss_ref.backward()
+        if length == 8:  # compiled here; 12 reuses the symbolic graph
+            code = "\n".join(codes)
+            assert "add_rms_norm_fwd" in code and "add_rms_norm_bwd" in code
+            assert ".rms_norm_fwd.default" not in code and ".rms_norm_bwd.default" not in code
+        torch.testing.assert_close(y, y_ref)
+        torch.testing.assert_close(s, s_ref)
+        for g, r in zip(got, want, strict=True):
+            torch.testing.assert_close(g.grad, r.grad)
