@@ -84,8 +84,14 @@ def _plain_sum(add: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return a, b
 
 
+def _traced(args) -> bool:
+    """Whether every graph node among `args` carries the fake tensor `_call` computes with."""
+    return all(_val(a) is not None for a in args if isinstance(a, fx.Node))
+
+
 def _call(graph: fx.Graph, op, args: tuple, outputs: int) -> list[fx.Node]:
-    """Insert op(*args) and its `outputs` getitems, with fake values for Inductor."""
+    """Insert op(*args) and its `outputs` getitems, with fake values for Inductor (`args` must
+    be `_traced`)."""
     node = graph.call_function(op, args)
     fake = [_val(a) if isinstance(a, fx.Node) else a for a in args]
     from torch._guards import detect_fake_mode
@@ -114,10 +120,11 @@ def _fuse_forward(graph: fx.Graph, norm: fx.Node) -> int:
     x, weight, eps, gemma, _save_output, *numerics = _args(norm, _RMS_FWD)
     sum_ = _plain_sum(x) if isinstance(x, fx.Node) else None
     items = _outputs(norm)
-    if sum_ is None or items is None:
+    args = (*sum_, weight, eps, gemma, *numerics) if sum_ is not None else ()
+    if sum_ is None or items is None or not _traced(args):
         return 0
     with graph.inserting_before(x):
-        y, s, rstd = _call(graph, _FUSED_FWD, (*sum_, weight, eps, gemma, *numerics), 3)
+        y, s, rstd = _call(graph, _FUSED_FWD, args, 3)
     for index, new in ((0, y), (1, rstd)):
         if index in items:
             items[index].replace_all_uses_with(new)
@@ -140,15 +147,11 @@ def _fuse_backward(graph: fx.Graph, add: fx.Node) -> int:
             bwd, _RMS_BWD
         )
         items = _outputs(bwd)
-        if from_y or items is None or x_dtype != _val(add).dtype:
+        args = (dy, other, saved, weight, rstd, gemma, compute_dw, *numerics)
+        if from_y or items is None or x_dtype != _val(add).dtype or not _traced(args):
             continue  # from y: x̂ is y / w, which add_rms_norm_bwd does not take
         with graph.inserting_before(add):
-            g, dw = _call(
-                graph,
-                _FUSED_BWD,
-                (dy, other, saved, weight, rstd, gemma, compute_dw, *numerics),
-                2,
-            )
+            g, dw = _call(graph, _FUSED_BWD, args, 2)
         add.replace_all_uses_with(g)
         graph.erase_node(add)
         if 1 in items:
