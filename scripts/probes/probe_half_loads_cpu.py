@@ -23,11 +23,7 @@ relative difference; the loss of a float64 copy of the loaded weights (no gradie
 reference for a difference. ``--tracebacks`` prints each failure's traceback to stderr.
 """
 
-import argparse
-import copy
-import os
 import sys
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,97 +50,26 @@ def _config(model_type: str):
     return config
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    parser.add_argument("--types", default=DEFAULT_TYPES, help="comma-separated model types")
-    parser.add_argument(
-        "--tracebacks", action="store_true", help="print each failure's traceback to stderr"
-    )
-    args = parser.parse_args(argv)
-    variant = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
-    os.environ["LOCAL_KERNELS"] = f"kernels-lab/training={variant}"
-    os.environ["HF_HUB_OFFLINE"] = "1"  # the tiny models are saved and loaded from a temp folder
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-    import kernels
+def _family(model_type: str):
+    """(causal LM class, tiny config, inputs(generator, dtype) -> dict, no encoder output)."""
     import torch
-    from probe_half_loads_seq2seq_cpu import _first_line, _float64_loss, _fp32, _loaded
-    from transformers.utils import logging
 
     from tests.models.registry import causal_lm_class
 
-    logging.disable_progress_bar()
-    dtype = getattr(torch, args.dtype)
-    columns = (
-        "model type", "fp32-kept parameters (loaded / _from_config)", "loss, plain",
-        "loss, bound", "rel. diff", "loss, float64", "result",
-    )  # fmt: skip
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+    config = _config(model_type)
 
-    def row(model_type: str, result: str, **cells: str) -> None:
-        keys = ("kept", "plain", "bound", "rel", "float64")
-        print("| " + " | ".join([model_type, *(cells.get(k, "") for k in keys), result]) + " |")
+    def inputs(gen, dtype):
+        ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=gen)
+        return {"input_ids": ids, "labels": ids}
 
-    def failed(where: str, exc: BaseException) -> str:
-        if args.tracebacks:
-            print(f"--- {model_type} ({args.dtype}), {where}:", file=sys.stderr)
-            traceback.print_exception(exc, file=sys.stderr)
-        return f"{where}: {_first_line(exc)}"
+    return causal_lm_class(model_type), config, inputs, None
 
-    for model_type in args.types.split(","):
-        cells: dict[str, str] = {}
-        try:
-            cls = causal_lm_class(model_type)
-            torch.manual_seed(0)
-            direct = _fp32(cls._from_config(_config(model_type), dtype=dtype))
-            built = _loaded(cls, _config(model_type), dtype).train()
-        except Exception as exc:  # noqa: BLE001 - the unbound model itself does not build
-            row(model_type, failed("does not build", exc))
-            continue
-        kept = _fp32(built)
-        kept_text = f"{len(kept)} ({kept[0]}{', ...' if len(kept) > 1 else ''})" if kept else "0"
-        cells["kept"] = f"{kept_text} / {len(direct)}"
-        ids = torch.randint(
-            0, built.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)
-        )
-        inputs = {"input_ids": ids, "labels": ids}
-        loss64 = _float64_loss(built, inputs)
-        cells["float64"] = "" if loss64 is None else f"{loss64:.4f}"
-        plain, bound = copy.deepcopy(built), copy.deepcopy(built)
-        del built
-        try:
-            out = plain(**inputs)
-            out.loss.backward()
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            row(model_type, failed("plain fails", exc), **cells)
-            continue
-        loss_plain = out.loss.float().item()
-        cells["plain"] = f"{loss_plain:.4f}"
-        try:
-            kernels.apply_training_kernels(bound)
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            row(model_type, failed("bind", exc), **cells)
-            continue
-        try:
-            out = bound(**inputs)
-            out.loss.backward()
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            row(model_type, failed("bound fails", exc), **cells)
-            continue
-        loss_bound = out.loss.float().item()
-        rel = abs(loss_bound - loss_plain) / abs(loss_plain)
-        cells["bound"], cells["rel"] = f"{loss_bound:.4f}", f"{rel:.1e}"
-        result = "ran"
-        if rel > 1e-3:
-            result += "; loss differs > 1e-3"
-            if loss64 is not None:
-                nearer = abs(loss_bound - loss64) < abs(loss_plain - loss64)
-                result += f" ({'bound' if nearer else 'plain'} nearer float64)"
-        row(model_type, result, **cells)
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from probe_half_loads_seq2seq_cpu import sweep_main
+
+    return sweep_main(argv, __doc__, DEFAULT_TYPES, _family, structure=False)
 
 
 if __name__ == "__main__":

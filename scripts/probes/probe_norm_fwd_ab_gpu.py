@@ -27,20 +27,30 @@ SHAPES = [
 ]  # fmt: skip
 
 
-def main(rounds: int = 9) -> None:
+def norm_modules():
+    """This tree's rms_norm and _common modules (the kernels imported as the benches do)."""
+    kt = load_training_kernels()
+    return sys.modules[kt.__name__ + ".rms_norm"], sys.modules[kt.__name__ + "._common"]
+
+
+def llama_norm_case(m: int, n: int):
+    """(x, module, weight): a bf16 [m, n] input and a LlamaRMSNorm of width n on the GPU, its
+    weight drawn around 1 (and detached for our kernel)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    kt = load_training_kernels()
-    rms = sys.modules[kt.__name__ + ".rms_norm"]
-    common = sys.modules[kt.__name__ + "._common"]
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    mod = LlamaRMSNorm(n, eps=1e-6).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        mod.weight.normal_(1.0, 0.1)
+    return x, mod, mod.weight.detach()
+
+
+def main(rounds: int = 9) -> None:
+    rms, common = norm_modules()
     torch.manual_seed(0)
     lines = []
     for m, n in SHAPES:
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        mod = LlamaRMSNorm(n, eps=1e-6).to("cuda", torch.bfloat16)
-        with torch.no_grad():
-            mod.weight.normal_(1.0, 0.1)
-        w = mod.weight.detach()
+        x, mod, w = llama_norm_case(m, n)
         default = rms.fwd_candidates(m, n)[0]
         with torch.no_grad():
             compiled = torch.compile(mod)

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_harness import load_training_kernels  # noqa: E402
+from probe_norm_fwd_ab_gpu import llama_norm_case, norm_modules  # noqa: E402
 from probe_norm_fwd_wide_gpu import per_op_us  # noqa: E402
 
 SHAPES = [
@@ -97,19 +97,11 @@ def pick_span(rms, x, w, cands, rounds=5, k=16) -> str:
 
 
 def main(rounds: int = 9) -> None:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    kt = load_training_kernels()
-    rms = sys.modules[kt.__name__ + ".rms_norm"]
-    common = sys.modules[kt.__name__ + "._common"]
+    rms, common = norm_modules()
     torch.manual_seed(0)
     rows = []
     for m, n in SHAPES:
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        mod = LlamaRMSNorm(n, eps=1e-6).to("cuda", torch.bfloat16)
-        with torch.no_grad():
-            mod.weight.normal_(1.0, 0.1)
-        w = mod.weight.detach()
+        x, mod, w = llama_norm_case(m, n)
         cands = rms.fwd_candidates(m, n)
         with torch.no_grad():
             compiled = torch.compile(mod)
