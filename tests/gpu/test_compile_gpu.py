@@ -9,6 +9,7 @@ with the kernels (fp32, so the comparison is not bf16 noise).
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -143,13 +144,25 @@ def test_embedding_backward_records_in_a_cuda_graph(kt, tokens, dtype):
 
 
 @pytest.mark.parametrize("shape", [(2, 512, 1024), (4096, 4096)])
-def test_inductor_fuses_the_residual_add_into_the_norm(kt, shape):
+def test_inductor_fuses_the_residual_add_into_the_norm(kt, shape, monkeypatch):
     """Inductor with the kernels' post-grad pass (compile_fusion.py): s = a + b and its norm run
     as one add_rms_norm_fwd, the backward's dx + (s's other gradient) as one add_rms_norm_bwd;
     y and s equal eager's kernels bit for bit (the sum is rounded once, to nearest, by both),
-    the gradients within bf16's rounding of float64 ones."""
+    the gradients within bf16's rounding of float64 ones.
+
+    Bit for bit at one geometry: a row's sum of squares is added in an order set by the warps
+    per row, so the fused and plain forwards, tuned apart, may pick geometries whose rstd
+    differs in its last bit (on the H200 at 4096 x 4096: 70 of 16 M outputs, by up to 0.0156,
+    1.4 % relative: a bf16 rounding of x̂ and one of y).
+    Both are held to their default geometry here."""
     from torch._inductor.utils import run_and_get_code
 
+    rms = sys.modules[kt.__name__ + ".rms_norm"]
+    common = sys.modules[kt.__name__ + "._common"]
+    every = rms.fwd_candidates
+    monkeypatch.setattr(rms, "fwd_candidates", lambda m, n: every(m, n)[:1])
+    monkeypatch.setattr(rms, "_FORWARD_PLANS", common.PlanCache())  # no plan tuned before
+    monkeypatch.setattr(common, "_CHOICES", {})
     torch._dynamo.reset()
 
     def fn(a, b, w, c):

@@ -316,3 +316,17 @@ def test_memory_efficient_layer_on_qwen3_norm(kt):
     y.backward(dy)
     torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mod.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("offset, mode", [(0.0, "LLAMA"), (1.0, "GEMMA"), (0.5, "LLAMA")])
+def test_forward_adds_the_offset_only_when_there_is_one(kt, offset, mode):
+    """A zero offset compiles the forward without its add (HAS_OFFSET off: the weight then stays
+    exactly 16-bit and the multiply packed, see probe_norm_fwd_sass.py); any other offset is
+    added. Both give float64's y, fp32 in and out."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    x, w = torch.randn(6, 96), torch.randn(96)
+    with TritonLaunches(mod) as launches:
+        y = mod.forward(x, w, 1e-6, (offset, getattr(mod, mode)))[0]
+    launches.assert_launched("_rms_norm_fwd_kernel", HAS_OFFSET=offset != 0.0)
+    rstd = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert_close(y, x.double() * rstd * (w.double() + offset), torch.float32, f"offset {offset}")
