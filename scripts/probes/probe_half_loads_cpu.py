@@ -38,25 +38,13 @@ DEFAULT_TYPES = (
 SEQ, BATCH = 16, 2
 
 
-def _config(model_type: str):
-    """The registry's tiny config; longcat_flash's ``qk_head_dim`` is derived from its default
-    head dims when the config is made, and the registry's shrink leaves it at 192 (the model
-    then fails in fp32 too), so it is derived again from the shrunk ones."""
-    from tests.models.registry import tiny_config
-
-    config = tiny_config(model_type)
-    if model_type == "longcat_flash":
-        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-    return config
-
-
 def _family(model_type: str):
     """(causal LM class, tiny config, inputs(generator, dtype) -> dict, no encoder output)."""
     import torch
 
-    from tests.models.registry import causal_lm_class
+    from tests.models.registry import causal_lm_class, tiny_config
 
-    config = _config(model_type)
+    config = tiny_config(model_type)
 
     def inputs(gen, dtype):
         ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=gen)

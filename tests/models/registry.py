@@ -125,6 +125,12 @@ def _shrink(config) -> None:
         config.lm_head_multiplier = 0.5  # Falcon-H1's muP scales default to 1.0 too
     if isinstance(getattr(config, "mlp_multipliers", None), list):
         config.mlp_multipliers = [0.7, 1.3]
+    if all(
+        getattr(config, k, None) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
+    ):
+        # derived once when the config is made (LongCat-Flash's attention reads it): follow the
+        # shrunk parts, or q's width and its split disagree
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = HEADS  # latent attention expands k/v to every head
     layers = getattr(config, "num_hidden_layers", None)

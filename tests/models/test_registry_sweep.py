@@ -46,6 +46,9 @@ REPRESENTATIVES = {
     "bert": {"LayerNorm", "CausalLMHead"},
     # BART's decoder: nn.CrossEntropyLoss over labels it does not shift
     "bart": {"LayerNorm", "CausalLMHead"},
+    # LongCat-Flash: q's width is the config's qk_head_dim, derived when the config is made
+    # (the tiny config derives it again from the shrunk head dims)
+    "longcat_flash": {"RMSNorm", "SwiGLUMLP", "ForCausalLM"},
 }
 
 
