@@ -1,7 +1,7 @@
 """What the RMSNorm forward compiles to for sm_90 (Triton's bundled ptxas and nvdisasm, no GPU):
 a 16-bit norm without an offset multiplies x̂ by the weight in packed bf16, with no conversion
-from fp32 per element. A run-time `+ offset` there cost 0.3-0.5 µs of a 2-7 µs kernel on the
-H200 (docs/benchmarks/compile-h200-2026-12-03-s11/)."""
+from fp32 per element. A run-time `+ offset` there cost 2-10 % of the kernel's time on the H200
+(docs/benchmarks/compile-h200-2026-12-03-s11/)."""
 
 from __future__ import annotations
 
