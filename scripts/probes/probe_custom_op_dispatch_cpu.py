@@ -33,8 +33,9 @@ def setup(ctx, inputs, output):
     pass
 
 
-def register() -> dict:
-    """name -> the op's overload, for the four registrations."""
+def register() -> tuple[dict, torch.library.Library]:
+    """(name -> the op's overload for the four registrations, the Library holding two of them:
+    its registrations last as long as it does)."""
 
     @torch.library.custom_op("dispatch_probe::with_bw", mutates_args=())
     def with_bw(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,9 +60,8 @@ def register() -> dict:
                 f"dispatch_probe::{name}", backward, setup_context=setup, lib=lib
             )
     ops = torch.ops.dispatch_probe
-    register.lib = lib  # the registrations live as long as the Library object
     return {"custom_op": ops.with_bw.default, "custom_op, no bw": ops.no_bw.default,
-            "Library": ops.lib.default, "Library + bw": ops.lib_bw.default}  # fmt: skip
+            "Library": ops.lib.default, "Library + bw": ops.lib_bw.default}, lib  # fmt: skip
 
 
 def per_call_us(fn, calls: int, rounds: int = 7) -> float:
@@ -80,7 +80,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=20000)
     args = p.parse_args()
-    ops = register()
+    ops, _lib = register()
     x, w = torch.randn(8, 128), torch.randn(128)
     rows = []
     for name, fn in {"body": body, **ops}.items():

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_harness import load_training_kernels  # noqa: E402
 from probe_norm_fwd_even_gpu import inductor_launch_configs  # noqa: E402
-from probe_norm_fwd_wide_gpu import per_op_us  # noqa: E402
+from probe_norm_fwd_wide_gpu import round_times  # noqa: E402
 
 SHAPES = [
     (1024, 128), (4096, 128), (1024, 1024), (4096, 1024), (1024, 4096), (4096, 4096),
@@ -76,11 +76,7 @@ def main(rounds: int = 9) -> None:
                 )[0],
                 f"ours tuned {pick}": lambda x, w=w: rms.forward(x, w, 1e-6, False)[0],
             }
-            times = {name: [] for name in impls}
-            for r in range(rounds):
-                order = list(impls) if r % 2 == 0 else list(reversed(impls))
-                for name in order:
-                    times[name].append(per_op_us(impls[name], [x], replays=20, rounds=1))
+            times = round_times(impls, x, rounds)
         if n >= 8192 and m == 4096:
             print(f"Inductor launch configs so far: {inductor_launch_configs()}", flush=True)
         base = statistics.median(times["inductor"])

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_norm_fwd_ab_gpu import llama_norm_case, norm_modules  # noqa: E402
 from probe_norm_fwd_even_gpu import VARIANTS, variant  # noqa: E402
-from probe_norm_fwd_wide_gpu import per_op_us  # noqa: E402
+from probe_norm_fwd_wide_gpu import round_times  # noqa: E402
 
 SHAPES = {(1024, 1024): [(1, 1), (2, 2), (2, 4)], (4096, 1024): [(2, 4), (4, 8)],
           (1024, 8192): [(1, 4), (1, 8)]}  # fmt: skip
@@ -83,10 +83,7 @@ def main() -> None:
                 ):
                     impls[f"{label} {r}r{wp}w"] = lambda x, f=fn, w=w: f(x, w)
             same = {k: torch.equal(f(x), ref) for k, f in impls.items() if k != "inductor"}
-            times = {k: [] for k in impls}
-            for i in range(args.rounds):
-                for k in list(impls) if i % 2 == 0 else list(impls)[::-1]:
-                    times[k].append(per_op_us(impls[k], [x], replays=20, rounds=1))
+            times = round_times(impls, x, args.rounds)
         med = {k: statistics.median(v) for k, v in times.items()}
         ind = med["inductor"]
         for k, v in med.items():

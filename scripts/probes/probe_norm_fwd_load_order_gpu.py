@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_harness import load_training_kernels  # noqa: E402
 from probe_norm_fwd_ab_gpu import SHAPES, llama_norm_case  # noqa: E402
 from probe_norm_fwd_tuner_gpu import name  # noqa: E402
-from probe_norm_fwd_wide_gpu import per_op_us  # noqa: E402
+from probe_norm_fwd_wide_gpu import round_times  # noqa: E402
 
 LN_SHAPES = [(1024, 1024), (4096, 1024), (1024, 4096), (4096, 4096), (1024, 8192)]
 
@@ -40,12 +40,8 @@ def modules(path: Path | None):
 
 
 def alternate(impls: dict, x: torch.Tensor, rounds: int) -> dict:
-    """Median per-op µs of each implementation on x, all timed once per round, order flipped."""
-    times = {k: [] for k in impls}
-    for r in range(rounds):
-        for k in list(impls) if r % 2 == 0 else list(impls)[::-1]:
-            times[k].append(per_op_us(impls[k], [x], replays=20, rounds=1))
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median per-op µs of each implementation on x (see round_times)."""
+    return {k: statistics.median(v) for k, v in round_times(impls, x, rounds).items()}
 
 
 def rms_rows(old, new, rounds: int) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_norm_fwd_ab_gpu import llama_norm_case, norm_modules  # noqa: E402
-from probe_norm_fwd_wide_gpu import per_op_us  # noqa: E402
+from probe_norm_fwd_wide_gpu import round_times  # noqa: E402
 
 SHAPES = [
     (1024, 1024), (4096, 1024), (1024, 4096), (4096, 4096),
@@ -46,18 +46,8 @@ def pick_events(rms, common, x, w) -> str:
 
 
 def pick_graph(rms, x, w, cands, rounds=5) -> str:
-    times = {name(c): [] for c in cands}
-    for r in range(rounds):
-        for c in cands if r % 2 == 0 else cands[::-1]:
-            times[name(c)].append(
-                per_op_us(
-                    lambda x, c=c: rms.forward(x, w, 1e-6, False, cfg=c)[0],
-                    [x],
-                    ops=16,
-                    replays=3,
-                    rounds=1,
-                )  # fmt: skip
-            )
+    impls = {name(c): lambda x, c=c: rms.forward(x, w, 1e-6, False, cfg=c)[0] for c in cands}
+    times = round_times(impls, x, rounds, ops=16, replays=3)
     med = {k: statistics.median(v) for k, v in times.items()}
     return min(med, key=med.get)
 
@@ -68,12 +58,8 @@ def pick_graph_one_output(rms, x, w, cands, rounds=5) -> str:
     rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
     args = (x, x, w, y, y, rstd, *plan.scalars)
     launches = {name(c): plan._choose(args, c) for c in cands}
-    times = {k: [] for k in launches}
-    for r in range(rounds):
-        for k in list(launches) if r % 2 == 0 else list(launches)[::-1]:
-            times[k].append(
-                per_op_us(lambda _x, f=launches[k]: f(*args), [x], ops=16, replays=3, rounds=1)
-            )
+    impls = {k: lambda _x, f=f: f(*args) for k, f in launches.items()}
+    times = round_times(impls, x, rounds, ops=16, replays=3)
     med = {k: statistics.median(v) for k, v in times.items()}
     return min(med, key=med.get)
 
@@ -110,10 +96,7 @@ def main(rounds: int = 9) -> None:
             for c in cands:
                 rms.forward(x, w, 1e-6, False, cfg=c)
                 impls[name(c)] = lambda x, c=c, w=w: rms.forward(x, w, 1e-6, False, cfg=c)[0]
-            times = {k: [] for k in impls}
-            for r in range(rounds):
-                for k in list(impls) if r % 2 == 0 else list(impls)[::-1]:
-                    times[k].append(per_op_us(impls[k], [x], replays=20, rounds=1))
+            times = round_times(impls, x, rounds)
             med = {k: statistics.median(v) for k, v in times.items()}
             picks = {
                 "events": [pick_events(rms, common, x, w) for _ in range(3)],

@@ -82,6 +82,16 @@ def per_op_us(fn, xs, ops=32, replays=10, rounds=5):
     return statistics.median(out)
 
 
+def round_times(impls: dict, x, rounds: int, ops: int = 32, replays: int = 20) -> dict:
+    """name -> per-op µs of each round: every implementation timed on x once per round (one
+    per_op_us graph of `ops` calls, `replays` replays), the order reversed every other round."""
+    times = {k: [] for k in impls}
+    for r in range(rounds):
+        for k in list(impls) if r % 2 == 0 else list(impls)[::-1]:
+            times[k].append(per_op_us(impls[k], [x], ops=ops, replays=replays, rounds=1))
+    return times
+
+
 def main():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
