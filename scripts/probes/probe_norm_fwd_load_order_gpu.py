@@ -44,26 +44,27 @@ def alternate(impls: dict, x: torch.Tensor, rounds: int) -> dict:
     return {k: statistics.median(v) for k, v in round_times(impls, x, rounds).items()}
 
 
-def rms_rows(old, new, rounds: int) -> list[str]:
+def rms_rows(old, new, rounds: int, old_kw: dict, new_kw: dict, shapes: list) -> list[str]:
+    """`old_kw`, `new_kw`: extra keyword arguments of each tree's forward (e.g. stats=False)."""
     rows = []
-    for m, n in SHAPES:
+    for m, n in shapes:
         x, mod, w = llama_norm_case(m, n)
         impls = {}
         with torch.no_grad():
             compiled = torch.compile(mod)
             compiled(x)
             impls["inductor"] = compiled
-            for tag, rms in (("old", old), ("new", new)):
+            for tag, rms, kw in (("old", old, old_kw), ("new", new, new_kw)):
                 for c in rms.fwd_candidates(m, n):
-                    impls[f"{tag} {name(c)}"] = lambda x, c=c, r=rms, w=w: r.forward(
-                        x, w, 1e-6, False, cfg=c
+                    impls[f"{tag} {name(c)}"] = lambda x, c=c, r=rms, w=w, kw=kw: r.forward(
+                        x, w, 1e-6, False, cfg=c, **kw
                     )[0]
             same = all(  # geometry by geometry: a row's sum order depends on the warps
-                torch.equal(old.forward(x, w, 1e-6, False, cfg=c)[0],
-                            new.forward(x, w, 1e-6, False, cfg=c)[0])
+                torch.equal(old.forward(x, w, 1e-6, False, cfg=c, **old_kw)[0],
+                            new.forward(x, w, 1e-6, False, cfg=c, **new_kw)[0])
                 for c in new.fwd_candidates(m, n)
             )  # fmt: skip
-            new.forward(x, w, 1e-6, False)  # the tuner's pick
+            new.forward(x, w, 1e-6, False, **new_kw)  # the tuner's pick
             pick = [v for k, v in tuner_choices(new).items() if k[0] == "rms_fwd"][-1]
             med = alternate(impls, x, rounds)
         ind = med.pop("inductor")
@@ -113,11 +114,23 @@ def main() -> None:
         "--tree", type=Path, help="the kernel folder to time against it (default: this tree's)"
     )
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument(
+        "--no-stats",
+        choices=("new", "both"),
+        help="the RMSNorm forward without rstd: this tree's, or both trees'",
+    )
+    p.add_argument("--shapes", help='RMSNorm shapes, e.g. "1024x1024,4096x128" (default: all)')
+    p.add_argument("--rms-only", action="store_true", help="skip the LayerNorm rows")
     args = p.parse_args()
     (old_rms, old_ln), (new_rms, new_ln) = modules(args.baseline), modules(args.tree)
     torch.manual_seed(0)
-    rms = rms_rows(old_rms, new_rms, args.rounds)
-    ln = ln_rows(old_ln, new_ln, args.rounds)
+    off = {"stats": False}
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    old_kw = off if args.no_stats == "both" else {}
+    rms = rms_rows(old_rms, new_rms, args.rounds, old_kw, off if args.no_stats else {}, shapes)
+    ln = [] if args.rms_only else ln_rows(old_ln, new_ln, args.rounds)
     print("\n| shape | Inductor µs | old best / Inductor | new best / Inductor "
           "| new tuner pick / Inductor | old == new | every candidate µs |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")

@@ -451,7 +451,24 @@ def test_pick_config_times_the_usable_candidates_and_keeps_the_fastest(kt, cold)
             key, [{"n": 3}, {"n": 1}, {"n": 2}], launch, x.device if cold else None
         )
     assert cfg == {"n": 1}
-    rounds = common.TUNING_ROUNDS
-    assert calls.count(3) == 1 + rounds and calls.count(1) == 1 + rounds and calls.count(2) == 1
+    # a warm-up, a sizing round unless cold (a 50 µs launch: spans of one), the timed rounds
+    timed = common.TUNING_ROUNDS + (0 if cold else 1)
+    assert calls.count(3) == 1 + timed and calls.count(1) == 1 + timed and calls.count(2) == 1
     assert common.pick_config(key, [{"n": 3}, {"n": 1}], launch) == {"n": 1}  # kept, not retimed
-    assert len(calls) == 3 + 2 * rounds
+    assert len(calls) == 3 + 2 * timed
+
+
+def test_pick_config_times_short_kernels_in_back_to_back_spans(kt):
+    """A launch far below BURST_MS is timed in spans of several back-to-back launches (single
+    ones are a few ticks of the events' clock), the same number for every candidate."""
+    common = sys.modules[kt.__name__ + "._common"]
+    calls = []
+
+    def launch(cfg):
+        calls.append(cfg["n"])
+        torch.cuda._sleep(200 * cfg["n"])
+
+    key = ("pick_config burst test", zlib.crc32(os.urandom(8)))
+    assert common.pick_config(key, [{"n": 40}, {"n": 1}], launch) == {"n": 1}
+    burst = (calls.count(1) - 2) / common.TUNING_ROUNDS  # less the warm-up and sizing launches
+    assert calls.count(40) == calls.count(1) and burst == int(burst) and burst > 1

@@ -44,6 +44,7 @@ class Fusing:
     def __init__(self, fuse: bool = True) -> None:
         self.fuse = fuse
         self.codes: list[str] = []
+        self.graphs: list[torch.fx.Graph] = []
         self.backend = aot_autograd(fw_compiler=self._compile, bw_compiler=self._compile)
 
     def _compile(self, gm, example_inputs):
@@ -53,6 +54,7 @@ class Fusing:
             pass_(gm.graph)
             gm.recompile()
         self.codes.append(gm.code)
+        self.graphs.append(gm.graph)
         return make_boxed_func(gm.forward)
 
     def count(self, op: str) -> int:
@@ -297,3 +299,34 @@ def test_a_node_without_a_fake_value_is_not_rewritten(kt):
     assert unvalued.count("add_rms_norm_bwd") == 0 and unvalued.count("rms_norm_bwd") == 1
     for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+def test_an_inference_graph_runs_the_norms_without_stats(kt):
+    """Compiled under no_grad, the norm ops are called with stats=False (no rstd to keep), the
+    fused add + norm too; a compile with gradients keeps them. Values are eager's."""
+    fusion = importlib.import_module(kt.__name__ + ".compile_fusion")
+
+    def fn(a, b, w):
+        return kt.rms_norm(a + b, w, 1e-6), kt.rms_norm(a, w, 1e-6)
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 5, 32, generator=gen), torch.randn(3, 5, 32, generator=gen)
+    w = (1 + 0.1 * torch.randn(32, generator=gen)).requires_grad_()
+    stats = {}
+    for grad in (False, True):
+        fused = Fusing()
+        with torch.set_grad_enabled(grad):
+            got = torch.compile(fn, backend=fused.backend, fullgraph=True)(a, b, w)
+            want = fn(a, b, w)
+        norms = {  # op name -> its stats argument, defaults filled in
+            node.target._schema.name.split("::")[1]: fusion._args(node, node.target)[-1]
+            for graph in fused.graphs
+            for node in graph.nodes
+            if node.op == "call_function" and str(node.target).endswith("rms_norm_fwd.default")
+        }
+        assert set(norms) == {"add_rms_norm_fwd", "rms_norm_fwd"}
+        stats[grad] = set(norms.values())
+        for g, e in zip(got, want, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch._dynamo.reset()
+    assert stats == {False: {False}, True: {True}}

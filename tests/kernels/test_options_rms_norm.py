@@ -229,7 +229,8 @@ def test_fused_add_in_place_backward(kt):
 
 
 def test_ops_with_options_pass_opcheck(kt):
-    """The compiled path's ops with an offset, a mode and no weight: schema, fakes, autograd."""
+    """The compiled path's ops with an offset, a mode, no weight, no stats: schema, fakes,
+    autograd."""
     mod = sys.modules[kt.__name__ + ".rms_norm"]
     add = sys.modules[kt.__name__ + ".add_rms_norm"]
     x = torch.randn(5, 40, dtype=torch.bfloat16, requires_grad=True)
@@ -239,6 +240,10 @@ def test_ops_with_options_pass_opcheck(kt):
         for mode in (mod.LLAMA, mod.GEMMA, mod.NONE):
             torch.library.opcheck(mod.rms_norm_fwd, (x, weight, 1e-6, False, False, 0.5, mode))
             torch.library.opcheck(add.add_rms_norm_fwd, (x, r, weight, 1e-6, False, 0.5, mode))
+    # stats=False (a forward no backward follows): its fake's empty rstd matches the real one
+    x, r, w32 = x.detach(), r.detach(), w32.detach()
+    torch.library.opcheck(mod.rms_norm_fwd, (x, w32, 1e-6, False, False, 0.5, mod.LLAMA, False))
+    torch.library.opcheck(add.add_rms_norm_fwd, (x, r, w32, 1e-6, False, 0.5, mod.LLAMA, False))
 
 
 def test_compiled_options_match_eager(kt):

@@ -330,3 +330,46 @@ def test_forward_adds_the_offset_only_when_there_is_one(kt, offset, mode):
     launches.assert_launched("_rms_norm_fwd_kernel", HAS_OFFSET=offset != 0.0)
     rstd = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
     assert_close(y, x.double() * rstd * (w.double() + offset), torch.float32, f"offset {offset}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "fused_add_rms_norm"])
+def test_a_forward_no_gradient_follows_keeps_no_rstd_and_no_autograd_node(kt, fused):
+    """Under no_grad, or on inputs that need no gradient, the forward launches without STATS
+    (no rstd store, none allocated) and records no autograd node; its values are the training
+    forward's, bit for bit. With a gradient to come, STATS is on."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    x, r, w = torch.randn(6, 96), torch.randn(6, 96), torch.randn(96).requires_grad_()
+
+    def call():
+        return kt.fused_add_rms_norm(x, r, w, 1e-6)[0] if fused else kt.rms_norm(x, w, 1e-6)
+
+    def stats_flags(fn):
+        with TritonLaunches(mod) as launches:
+            y = fn()
+        return y, {launch.options["STATS"] for launch in launches.of("_rms_norm_fwd_kernel")}
+
+    y_train, flags = stats_flags(call)
+    assert flags == {True} and y_train.grad_fn is not None
+    with torch.no_grad():
+        y, flags = stats_flags(call)
+    assert flags == {False} and y.grad_fn is None
+    assert torch.equal(y, y_train.detach())
+    w.requires_grad_(False)  # grad mode on, nothing needs a gradient
+    y, flags = stats_flags(call)
+    assert flags == {False} and y.grad_fn is None and torch.equal(y, y_train.detach())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["rms_norm_fwd", "add_rms_norm_fwd"])
+def test_an_op_run_without_stats_refuses_a_backward(kt, fused):
+    """The ops' stats=False forward keeps nothing for a backward: asking for one is an error
+    that names the fix, not a gradient computed from an empty rstd."""
+    mod = sys.modules[kt.__name__ + (".add_rms_norm" if fused else ".rms_norm")]
+    x, r = torch.randn(4, 32, requires_grad=True), torch.randn(4, 32)
+    w = torch.randn(32, requires_grad=True)
+    if fused:
+        y, _s, rstd = mod.add_rms_norm_fwd(x, r, w, 1e-6, False, 0.0, mod.LLAMA, False)
+    else:
+        y, rstd = mod.rms_norm_fwd(x, w, 1e-6, False, False, 0.0, mod.LLAMA, False)
+    assert rstd.shape == (0,)
+    with pytest.raises(RuntimeError, match="stats=True"):
+        y.sum().backward()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import math
 import operator
 import os
 import re
@@ -394,6 +395,12 @@ def config_is_final(key: tuple, candidates: list) -> bool:
 
 _CHOICES: dict[tuple, dict] = {}
 TUNING_ROUNDS = 5
+# A timed span holds back-to-back launches of one candidate, as many as make up this much GPU
+# time (at most MAX_BURST): CUDA events resolve about 0.5 µs, a few ticks of a 2 µs kernel, so
+# single launches of short kernels tie or order by chance; the graphs and steps that run them
+# run them back to back, too.
+BURST_MS = 0.02
+MAX_BURST = 16
 
 
 def cached_config(key: tuple) -> dict | None:
@@ -404,7 +411,8 @@ def cached_config(key: tuple) -> dict | None:
 def pick_config(
     key: tuple, candidates: list[dict], launch, cold: torch.device | None = None
 ) -> dict:
-    """The fastest of `candidates` for `key`, timed once per process on the GPU.
+    """The fastest of `candidates` for `key`, timed once per process on the GPU (short kernels
+    in spans of back-to-back launches, see BURST_MS).
 
     `launch(cfg)` runs the kernel once with that config (it may write the real outputs; the
     caller launches again with the winner). With `cold`, each timed launch follows a flush of
@@ -427,17 +435,29 @@ def pick_config(
             continue
         usable.append(cfg)
     candidates = usable
-    flush = None
-    if cold is not None:
+    flush, burst = None, 1
+    if cold is not None:  # one launch per flush: no burst
         l2 = torch.cuda.get_device_properties(cold).L2_cache_size
         flush = torch.empty(2 * l2, dtype=torch.int8, device=cold)
-    # Candidates take turns, one launch each per round, and the median round counts: a
-    # drift of the GPU's speed or one slow launch does not decide the choice.
+    else:  # sized by one round of single launches
+        fastest = max(min(_span_ms(candidates, launch, None, 1, 1)), 1e-4)
+        burst = min(MAX_BURST, math.ceil(BURST_MS / fastest))
+    times = _span_ms(candidates, launch, flush, TUNING_ROUNDS, burst)
+    choice = candidates[times.index(min(times))]
+    _CHOICES[key] = choice
+    return choice
+
+
+def _span_ms(candidates: list[dict], launch, flush, rounds: int, burst: int) -> list[float]:
+    """Each candidate's median ms per launch over `rounds` timed spans of `burst` back-to-back
+    launches (each after a flush of the L2 with `flush`). Candidates take turns, one span each
+    per round: a drift of the GPU's speed or one slow span does not decide the choice."""
     events: list[list] = [[] for _ in candidates]
-    for _ in range(TUNING_ROUNDS):
+    for _ in range(rounds):
         for cfg, spans in zip(candidates, events, strict=True):
-            # Keeps the GPU busy while this launch is queued, so no host gap is timed.
-            torch.cuda._sleep(1_000_000)
+            # Keeps the GPU busy while this span is queued, so no host gap is timed: about
+            # 0.5 ms, and 60 µs more per launch of a long burst (a Python launch takes 10-40).
+            torch.cuda._sleep(max(1_000_000, 120_000 * burst))
             if flush is not None:
                 flush.zero_()
             start, end = (
@@ -445,14 +465,12 @@ def pick_config(
                 torch.cuda.Event(enable_timing=True),
             )
             start.record()
-            launch(cfg)
+            for _ in range(burst):
+                launch(cfg)
             end.record()
             spans.append((start, end))
     torch.cuda.synchronize()
-    times = [statistics.median(s.elapsed_time(e) for s, e in spans) for spans in events]
-    choice = candidates[times.index(min(times))]
-    _CHOICES[key] = choice
-    return choice
+    return [statistics.median(s.elapsed_time(e) for s, e in spans) / burst for spans in events]
 
 
 # A private hook of the autograd engine (in every torch this build allows; docs/compatibility.md).

@@ -25,6 +25,8 @@ from .rms_norm import (
     _op_numerics,
     _torch_forward,
     forward,
+    needs_grad,
+    no_stats_backward_error,
     out_dtype,
     resolve_numerics,
     rms_norm,
@@ -34,14 +36,15 @@ from .rms_norm import _backward_any as rms_norm_backward_any
 from .tensor_parallel import is_dtensor
 
 
-def _forward_any(x, residual, weight, eps, gemma):
-    """(y, s, rstd): the Triton kernel where it applies, else torch ops with the same roundings."""
+def _forward_any(x, residual, weight, eps, gemma, stats=True):
+    """(y, s, rstd): the Triton kernel where it applies, else torch ops with the same roundings;
+    rstd is empty without `stats`."""
     if use_triton_rows(x):
-        y, rstd, s = forward(x, weight, eps, gemma, residual=residual)
+        y, rstd, s = forward(x, weight, eps, gemma, residual=residual, stats=stats)
         return y, s, rstd
     s = (x + residual).contiguous()
     y, rstd = _torch_forward(s, weight, eps, gemma)
-    return y, s, rstd
+    return y, s, (rstd if stats else rstd.new_empty(0))
 
 
 def _backward_any(dy, ds, s, weight, rstd, gemma, compute_dw, in_place=False):
@@ -63,17 +66,18 @@ def add_rms_norm_fwd(
     gemma: bool,
     offset: float = 0.0,
     mode: int = LLAMA,
+    stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward_any(x, residual, weight, eps, _op_numerics(gemma, offset, mode))
+    return _forward_any(x, residual, weight, eps, _op_numerics(gemma, offset, mode), stats)
 
 
 @add_rms_norm_fwd.register_fake
-def _(x, residual, weight, eps, gemma, offset=0.0, mode=LLAMA):
+def _(x, residual, weight, eps, gemma, offset=0.0, mode=LLAMA, stats=True):
     y = x.new_empty(x.shape, dtype=out_dtype(x, weight, _op_numerics(gemma, offset, mode)))
     return (
         y,
         torch.empty_like(x, memory_format=torch.contiguous_format),
-        x.new_empty(x.shape[:-1], dtype=torch.float32),
+        x.new_empty(x.shape[:-1] if stats else (0,), dtype=torch.float32),
     )
 
 
@@ -106,17 +110,20 @@ def _save(ctx, s, weight, rstd, numer, in_place=False):
 
 
 def _setup_context(ctx, inputs, output):
-    _x, _residual, weight, _eps, gemma, offset, mode = inputs
+    _x, _residual, weight, _eps, gemma, offset, mode, stats = inputs
     _y, s, rstd = output
     _save(ctx, s, weight, rstd, _op_numerics(gemma, offset, mode))
+    ctx.stats = stats
 
 
 def _backward(ctx, dy, ds, _drstd):
+    if not ctx.stats:
+        raise no_stats_backward_error("add_rms_norm_fwd")
     s, weight, rstd = ctx.saved_tensors
     need_dw = weight is not None and ctx.needs_input_grad[2]
     offset, mode = ctx.numer
     dsum, dw = add_rms_norm_bwd(dy, ds, s, weight, rstd, False, need_dw, offset, mode)
-    return dsum, dsum, (dw if need_dw else None), None, None, None, None
+    return dsum, dsum, (dw if need_dw else None), None, None, None, None, None
 
 
 add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -174,10 +181,13 @@ def fused_add_rms_norm(
         s = residual + x
         kw = {"offset": numer[0], "casting_mode": _MODE_NAMES[numer[1]], "in_place": in_place}
         return rms_norm(s, weight, eps, **kw), s
-    if torch.compiler.is_compiling():
-        y, s, _rstd = add_rms_norm_fwd(x, residual, weight, float(eps), False, *numer)
+    grad = needs_grad(x, residual, weight)
+    if torch.compiler.is_compiling():  # Dynamo guards on the grad mode and requires_grad
+        y, s, _rstd = add_rms_norm_fwd(x, residual, weight, float(eps), False, *numer, grad)
         # A custom op's outputs all require grad when any input does; torch's add would not.
         return y, (s if x.requires_grad or residual.requires_grad else s.detach())
+    if not grad:  # inference: no rstd, and no autograd node
+        return _forward_any(x, residual, weight, float(eps), numer, stats=False)[:2]
     return _AddRMSNormFunction.apply(x, residual, weight, float(eps), numer, in_place)
 
 

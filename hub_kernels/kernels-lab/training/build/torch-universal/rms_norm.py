@@ -14,7 +14,8 @@ Without a weight, ``y = x̂`` (the offset is ignored, as in Liger) in the input 
 backward computes in fp32 in every mode; dW uses the x̂ the forward multiplied (rounded in llama
 and none modes). ``gemma=True`` is the legacy spelling of offset 1.0 in gemma mode.
 
-The forward keeps one fp32 rstd per row. The backward needs x̂ = x·rstd: by default it keeps the
+The forward keeps one fp32 rstd per row; a forward no gradient will follow (no_grad, or inputs
+that need none) neither stores nor allocates it, and records no autograd node. The backward needs x̂ = x·rstd: by default it keeps the
 input x; with ``save_output=True`` it keeps the output y instead and recovers x̂ = y / w (as apex's
 ``memory_efficient`` norms do). A model's linear layers save y anyway, so that mode stores nothing
 of its own but rstd; its price is that a weight entry of exactly zero makes that column's
@@ -92,9 +93,10 @@ def _forward_weight(W, cols, cmask, offset, HAS_OFFSET: tl.constexpr):
 def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, stride_y, stride_s, eps, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, RESIDUAL: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_OFFSET: tl.constexpr, STATS: tl.constexpr,
 ):  # fmt: skip
     # RESIDUAL: normalise s = x + r (rounded to x's dtype, as HF's residual add) and store s too.
+    # STATS: store rstd for a backward; a forward that no gradient will follow skips the store.
     # HAS_OFFSET: offset != 0. Without it the weight stays exactly a 16-bit value, so the compiler
     # multiplies x̂ by w in packed bf16 (the same rounding: both factors are exact in 16 bits);
     # a run-time `+ offset` of 0.0 hid that, and cost 2-10 % of the kernel's time on the H200.
@@ -134,7 +136,8 @@ def _rms_norm_fwd_kernel(
     else:
         y = xhat
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=rmask)
+    if STATS:
+        tl.store(RSTD + rows, rstd, mask=rmask)
 
 
 @triton.jit
@@ -436,23 +439,24 @@ def out_dtype(x: torch.Tensor, weight: torch.Tensor | None, gemma) -> torch.dtyp
     return torch.promote_types(x.dtype, weight.dtype)
 
 
-def forward(x, weight, eps, gemma, cfg=None, residual=None):
+def forward(x, weight, eps, gemma, cfg=None, residual=None, stats=True):
     """Triton forward: returns (y shaped like x, rstd [rows] fp32, s).
 
     `gemma` is the legacy bool or an (offset, mode) pair (see `numerics`); `weight` may be None.
     With `residual` (shaped and typed like x) it normalises s = x + residual and returns s too
-    (shaped like x); else s is None. `cfg` fixes the geometry (else it is picked, see
-    `pick_config`); a call without one runs the plan its key maps to (see `_ForwardPlan`).
+    (shaped like x); else s is None. ``stats=False`` (no backward will follow) neither computes
+    into nor allocates rstd: it is returned empty. `cfg` fixes the geometry (else it is picked,
+    see `pick_config`); a call without one runs the plan its key maps to (see `_ForwardPlan`).
     """
     if cfg is not None:
-        return _ForwardPlan(x, weight, eps, gemma, residual)(x, weight, residual, cfg)
+        return _ForwardPlan(x, weight, eps, gemma, residual, stats)(x, weight, residual, cfg)
     # Everything the plan's constants derive from: x's layout and dtype, the weight's dtype (or
     # its absence), the options, and the residual's layout and dtype (or its absence).
     key = (x.shape, x.stride(), x.dtype, x.device, weight is None or weight.dtype, eps, gemma,
-           residual is None or (residual.stride(), residual.dtype))  # fmt: skip
+           residual is None or (residual.stride(), residual.dtype), stats)  # fmt: skip
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = _ForwardPlan(x, weight, eps, gemma, residual)
+        plan = _ForwardPlan(x, weight, eps, gemma, residual, stats)
         out = plan(x, weight, residual)
         if plan.final:
             _FORWARD_PLANS.keep(key, plan)
@@ -465,17 +469,19 @@ class _ForwardPlan:
     kernel's scalars; the config and the bound launch once its first call has chosen them."""
 
     __slots__ = ("m", "n", "shape", "strides", "stats", "stats_strides", "device", "y_dtype",
-                 "s_dtype", "x_rows", "r_rows", "scalars", "mode", "has_w", "has_r", "launch",
-                 "final")  # fmt: skip
+                 "s_dtype", "x_rows", "r_rows", "scalars", "mode", "has_w", "has_r", "keep_stats",
+                 "launch", "final")  # fmt: skip
 
-    def __init__(self, x, weight, eps, gemma, residual) -> None:
+    def __init__(self, x, weight, eps, gemma, residual, stats=True) -> None:
         offset, self.mode = numerics(gemma)
         n = self.n = x.shape[-1]
         self.m = x.numel() // n if n else 0
-        self.shape, self.stats, self.device = x.shape, x.shape[:-1], x.device
+        self.keep_stats = stats
+        self.stats = x.shape[:-1] if stats else (0,)  # rstd's shape: none without stats
+        self.shape, self.device = x.shape, x.device
         self.strides, self.stats_strides = (
             contiguous_strides(x.shape),
-            contiguous_strides(x.shape[:-1]),
+            contiguous_strides(self.stats),
         )
         self.y_dtype = out_dtype(x, weight, (offset, self.mode))
         self.s_dtype = x.dtype
@@ -505,8 +511,9 @@ class _ForwardPlan:
             )
         if m == 0:
             return y, rstd, s
-        args = (x2, r2, x2 if weight is None else weight, y, y if s is None else s, rstd,
-                *self.scalars)  # fmt: skip
+        # Unused stand-ins: x for a missing weight, y for a missing s or rstd.
+        args = (x2, r2, x2 if weight is None else weight, y, y if s is None else s,
+                rstd if self.keep_stats else y, *self.scalars)  # fmt: skip
         launch = self.launch
         if launch is None or cfg is not None:
             launch = self._choose(args, cfg)
@@ -521,10 +528,12 @@ class _ForwardPlan:
         x_dtype, w_dtype = args[0].dtype, args[2].dtype
         offset = self.scalars[-1]
 
+        stats = self.keep_stats
+
         def kwargs(c):
             return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": next_pow2(n), "MODE": self.mode,
                     "RESIDUAL": residual, "HAS_W": self.has_w, "HAS_OFFSET": offset != 0.0,
-                    "num_warps": c["num_warps"]}  # fmt: skip
+                    "STATS": stats, "num_warps": c["num_warps"]}  # fmt: skip
 
         def launch(c):
             _rms_norm_fwd_kernel[(cdiv(m, c["BLOCK_M"]),)](*args, **kwargs(c))
@@ -532,7 +541,7 @@ class _ForwardPlan:
         keep = cfg is None
         if cfg is None:
             key = ("rms_fwd", m.bit_length(), n, x_dtype, w_dtype, self.device, self.mode,
-                   residual, not self.has_w, offset != 0.0)  # fmt: skip
+                   residual, not self.has_w, offset != 0.0, stats)  # fmt: skip
             candidates = fwd_candidates(m, n)
             cfg = pick_config(key, candidates, launch)
             self.final = config_is_final(key, candidates)
@@ -763,10 +772,13 @@ def use_triton_rows(x: torch.Tensor) -> bool:
     return use_triton(x) and x.shape[-1] <= MAX_TRITON_N
 
 
-def _forward_any(x, weight, eps, gemma):
+def _forward_any(x, weight, eps, gemma, stats=True):
+    """(y, rstd): the Triton kernel where it applies, else torch ops with the same roundings;
+    rstd is empty without `stats` on the Triton path (see `forward`)."""
     if use_triton_rows(x):
-        return forward(x, weight, eps, gemma)[:2]
-    return _torch_forward(x, weight, eps, gemma)
+        return forward(x, weight, eps, gemma, stats=stats)[:2]
+    y, rstd = _torch_forward(x, weight, eps, gemma)
+    return y, (rstd if stats else rstd.new_empty(0))
 
 
 def _backward_any(
@@ -791,19 +803,20 @@ def rms_norm_fwd(
     save_output: bool,
     offset: float = 0.0,
     mode: int = LLAMA,
+    stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_any(x, weight, eps, _op_numerics(gemma, offset, mode))
+    return _forward_any(x, weight, eps, _op_numerics(gemma, offset, mode), stats)
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, eps, gemma, save_output, offset=0.0, mode=LLAMA):
+def _(x, weight, eps, gemma, save_output, offset=0.0, mode=LLAMA, stats=True):
     # Traced for a compile: let Inductor fuse the residual adds around the norms (idempotent;
     # each trace checks, as a config.patch context may have reset the slot since).
     from . import compile_fusion
 
     compile_fusion.install()
     y = x.new_empty(x.shape, dtype=out_dtype(x, weight, _op_numerics(gemma, offset, mode)))
-    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return y, x.new_empty(x.shape[:-1] if stats else (0,), dtype=torch.float32)
 
 
 @torch.library.custom_op(op_name("rms_norm_bwd"), mutates_args=())
@@ -836,19 +849,27 @@ def _save(ctx, x, weight, y, rstd, numer, save_output, in_place=False):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _eps, gemma, save_output, offset, mode = inputs
+    x, weight, _eps, gemma, save_output, offset, mode, stats = inputs
     numer = _op_numerics(gemma, offset, mode)
     _save(ctx, x, weight, output[0], output[1], numer, save_output)
+    ctx.stats = stats
+
+
+def no_stats_backward_error(op: str) -> RuntimeError:
+    return RuntimeError(f"{op} ran with stats=False, which keeps nothing for a backward; "
+                        "call it with stats=True where a gradient will be taken")  # fmt: skip
 
 
 def _backward(ctx, dy, _drstd):
+    if not ctx.stats:
+        raise no_stats_backward_error("rms_norm_fwd")
     saved, weight, rstd = ctx.saved_tensors
     need_dw = weight is not None and ctx.needs_input_grad[1]
     offset, mode = ctx.numer
     dx, dw = rms_norm_bwd(
         dy, saved, weight, rstd, False, need_dw, ctx.from_y, ctx.x_dtype, offset, mode
     )
-    return dx, (dw if need_dw else None), None, None, None, None, None
+    return dx, (dw if need_dw else None), None, None, None, None, None, None
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -902,6 +923,14 @@ def rms_norm(
     numer = resolve_numerics(gemma, offset, casting_mode)
     if is_dtensor(x):  # tensor or sequence parallel: this rank's shard (tensor_parallel.py)
         return dtensor_rms_norm(rms_norm, x, weight, eps, numer, save_output, in_place, out_dtype)
-    if torch.compiler.is_compiling():
-        return rms_norm_fwd(x, weight, float(eps), False, save_output, *numer)[0]
+    grad = needs_grad(x, weight)
+    if torch.compiler.is_compiling():  # Dynamo guards on the grad mode and requires_grad
+        return rms_norm_fwd(x, weight, float(eps), False, save_output, *numer, grad)[0]
+    if not grad:  # inference: no rstd, and no autograd node
+        return _forward_any(x, weight, float(eps), numer, stats=False)[0]
     return _RMSNormFunction.apply(x, weight, float(eps), numer, save_output, in_place)
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an op on `tensors`: grad mode on and one of them needs it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
