@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_cases_elementwise as cases  # noqa: E402
 from bench_graph_chain import measure_case  # noqa: E402
-from bench_harness import Impl, load_training_kernels  # noqa: E402
+from bench_harness import Impl, allow_many_compiles, load_training_kernels  # noqa: E402
 
 
 def _case_inputs(m: int, n: int):
@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--trees", default="", help="comma-separated kernel folders to add")
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
+    allow_many_compiles()  # one compiled module per shape and grad mode
     dirs = {"this": "this tree"}
     dirs.update({f"t{i + 1}": d for i, d in enumerate(t for t in args.trees.split(",") if t)})
     trees = {t: load_training_kernels(Path(d)) if t != "this" else load_training_kernels()
