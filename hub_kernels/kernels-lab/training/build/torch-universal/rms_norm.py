@@ -15,11 +15,11 @@ backward computes in fp32 in every mode; dW uses the x̂ the forward multiplied 
 and none modes). ``gemma=True`` is the legacy spelling of offset 1.0 in gemma mode.
 
 The forward keeps one fp32 rstd per row; a forward no gradient will follow (no_grad, or inputs
-that need none) neither stores nor allocates it, and records no autograd node. The backward needs x̂ = x·rstd: by default it keeps the
-input x; with ``save_output=True`` it keeps the output y instead and recovers x̂ = y / w (as apex's
-``memory_efficient`` norms do). A model's linear layers save y anyway, so that mode stores nothing
-of its own but rstd; its price is that a weight entry of exactly zero makes that column's
-gradients NaN (loudly wrong, never silently).
+that need none) neither stores nor allocates it, and records no autograd node. The backward
+needs x̂ = x·rstd: by default it keeps the input x; with ``save_output=True`` it keeps the output
+y instead and recovers x̂ = y / w (as apex's ``memory_efficient`` norms do). A model's linear
+layers save y anyway, so that mode stores nothing of its own but rstd; its price is that a
+weight entry of exactly zero makes that column's gradients NaN (loudly wrong, never silently).
 
 The backward is persistent: each program walks a contiguous range of rows, writes dx, and keeps
 its share of dW in fp32 registers; a second small kernel sums the per-program partials, so dW is
