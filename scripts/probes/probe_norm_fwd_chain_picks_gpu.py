@@ -23,7 +23,7 @@ from bench_harness import Impl, allow_many_compiles, load_training_kernels  # no
 
 
 def _case_inputs(m: int, n: int):
-    return cases._llama_rms_norm(n), torch.randn(m, n, device="cuda", dtype=cases.DT)
+    return cases._llama_rms_norm(n), cases._randn(m, n, requires_grad=False)
 
 
 def layer(tag: str, kt, m: int, n: int) -> Impl:

@@ -403,6 +403,12 @@ BURST_MS = 0.02
 MAX_BURST = 16
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an op on `tensors`: grad mode on and one of them needs it
+    (unlike ctx.needs_input_grad, which stays True under torch.no_grad())."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def cached_config(key: tuple) -> dict | None:
     """The config `pick_config` chose for `key` in this process, or None before it has."""
     return _CHOICES.get(key)

@@ -18,14 +18,13 @@ from typing import Optional
 
 import torch
 
-from ._common import op_name
+from ._common import needs_grad, op_name
 from .rms_norm import (
     CASTING_MODES,
     LLAMA,
     _op_numerics,
     _torch_forward,
     forward,
-    needs_grad,
     no_stats_backward_error,
     out_dtype,
     resolve_numerics,

@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._common import cdiv, fast_launch, next_pow2, op_name, use_triton
+from ._common import cdiv, fast_launch, needs_grad, next_pow2, op_name, use_triton
 from ._triton import tl, triton
 from .logprob import _MM_OUT_DTYPE, _transform, back_matmuls, choose, configs, tile_shape
 
@@ -782,9 +782,7 @@ def fused_linear_divergence(
         div, ent, *_ = divergence_fwd(hs, w_s, b_s, ht, w_t, b_t, ign, *scalars)
         ent = ent.detach()
     else:
-        save = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hs, w_s, b_s)
-        )
+        save = needs_grad(hs, w_s, b_s)
         o = _opts(*scalars)
         div, ent = _DivergenceFunction.apply(hs, w_s, b_s, ht, w_t, b_t, ign, o, save)
     div = div.view(shape)

@@ -46,6 +46,7 @@ from ._common import (
     cached_config,
     cdiv,
     fast_launch,
+    needs_grad,
     next_pow2,
     op_name,
     pick_config,
@@ -823,9 +824,7 @@ def fused_linear_logprob(
         sq, mean = sq.detach(), mean.detach()  # no gradient, as in the eager path
     else:
         o = _opts(temperature, cap, logit_scale, bits, ignore_index, tr, tc)
-        save = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (rows, weight, bias)
-        )
+        save = needs_grad(rows, weight, bias)
         lp, ent, sq, mean, top1 = _LogProbFunction.apply(
             rows, weight, bias, flat_labels, o, save, bool(keep_logits)
         )

@@ -39,6 +39,7 @@ from ._common import (
     config_is_final,
     contiguous_strides,
     fast_launch,
+    needs_grad,
     next_pow2,
     op_name,
     pick_config,
@@ -468,20 +469,20 @@ class _ForwardPlan:
     """What a forward call's key fixes: row count and strides, output dtype and shapes, the
     kernel's scalars; the config and the bound launch once its first call has chosen them."""
 
-    __slots__ = ("m", "n", "shape", "strides", "stats", "stats_strides", "device", "y_dtype",
-                 "s_dtype", "x_rows", "r_rows", "scalars", "mode", "has_w", "has_r", "keep_stats",
+    __slots__ = ("m", "n", "shape", "strides", "rstd_shape", "rstd_strides", "device", "y_dtype",
+                 "s_dtype", "x_rows", "r_rows", "scalars", "mode", "has_w", "has_r", "stats",
                  "launch", "final")  # fmt: skip
 
     def __init__(self, x, weight, eps, gemma, residual, stats=True) -> None:
         offset, self.mode = numerics(gemma)
         n = self.n = x.shape[-1]
         self.m = x.numel() // n if n else 0
-        self.keep_stats = stats
-        self.stats = x.shape[:-1] if stats else (0,)  # rstd's shape: none without stats
+        self.stats = stats
+        self.rstd_shape = x.shape[:-1] if stats else (0,)  # none without stats
         self.shape, self.device = x.shape, x.device
-        self.strides, self.stats_strides = (
+        self.strides, self.rstd_strides = (
             contiguous_strides(x.shape),
-            contiguous_strides(self.stats),
+            contiguous_strides(self.rstd_shape),
         )
         self.y_dtype = out_dtype(x, weight, (offset, self.mode))
         self.s_dtype = x.dtype
@@ -500,7 +501,7 @@ class _ForwardPlan:
         # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make.
         y = torch.empty_strided(self.shape, self.strides, dtype=self.y_dtype, device=self.device)
         rstd = torch.empty_strided(
-            self.stats, self.stats_strides, dtype=torch.float32, device=self.device
+            self.rstd_shape, self.rstd_strides, dtype=torch.float32, device=self.device
         )
         if residual is None:
             r2, s = x2, None  # an unused stand-in without a residual
@@ -513,7 +514,7 @@ class _ForwardPlan:
             return y, rstd, s
         # Unused stand-ins: x for a missing weight, y for a missing s or rstd.
         args = (x2, r2, x2 if weight is None else weight, y, y if s is None else s,
-                rstd if self.keep_stats else y, *self.scalars)  # fmt: skip
+                rstd if self.stats else y, *self.scalars)  # fmt: skip
         launch = self.launch
         if launch is None or cfg is not None:
             launch = self._choose(args, cfg)
@@ -528,7 +529,7 @@ class _ForwardPlan:
         x_dtype, w_dtype = args[0].dtype, args[2].dtype
         offset = self.scalars[-1]
 
-        stats = self.keep_stats
+        stats = self.stats
 
         def kwargs(c):
             return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": next_pow2(n), "MODE": self.mode,
@@ -929,8 +930,3 @@ def rms_norm(
     if not grad:  # inference: no rstd, and no autograd node
         return _forward_any(x, weight, float(eps), numer, stats=False)[0]
     return _RMSNormFunction.apply(x, weight, float(eps), numer, save_output, in_place)
-
-
-def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd will record an op on `tensors`: grad mode on and one of them needs it."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
