@@ -121,7 +121,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = [measure(s, RUNS[args.run], args) for s in args.setups.split(",")]
+    rows = []
+    for s in args.setups.split(","):
+        t = time.perf_counter()
+        rows.append(measure(s, RUNS[args.run], args))
+        # Printed as each setup ends: a run stopped by a time limit still shows what it measured.
+        r = rows[-1]
+        print(f"measured {s}: wall {r['wall_ms']:.1f} ms, GPU {r['gpu_ms']:.1f} ms / step "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
     print(f"{args.run}, {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(
         "| turn | setup | step wall ms | GPU kernel ms / step | launches / step | "

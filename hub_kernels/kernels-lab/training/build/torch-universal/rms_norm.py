@@ -812,10 +812,12 @@ def rms_norm_fwd(
 @rms_norm_fwd.register_fake
 def _(x, weight, eps, gemma, save_output, offset=0.0, mode=LLAMA, stats=True):
     # Traced for a compile: let Inductor fuse the residual adds around the norms (idempotent;
-    # each trace checks, as a config.patch context may have reset the slot since).
-    from . import compile_fusion
+    # each trace checks, as a config.patch context may have reset the slot since), and keep its
+    # note on the ops' first lowerings short (inductor_note.py: a chain of norms made it endless).
+    from . import compile_fusion, inductor_note
 
     compile_fusion.install()
+    inductor_note.shorten_fallback_note()
     y = x.new_empty(x.shape, dtype=out_dtype(x, weight, _op_numerics(gemma, offset, mode)))
     return y, x.new_empty(x.shape[:-1] if stats else (0,), dtype=torch.float32)
 
