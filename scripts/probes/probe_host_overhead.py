@@ -79,10 +79,13 @@ def our_cases(kt, i: Inputs) -> dict:
         "rms_norm save_output fwd+bwd": _grad(
             lambda: (kt.rms_norm(x, w, 1e-6, save_output=True),), (x, w), (g,)
         ),
+        "layer_norm fwd": torch.no_grad()(lambda: kt.layer_norm(x, w, w, 1e-5)),
         "layer_norm fwd+bwd": _grad(lambda: (kt.layer_norm(x, w, w, 1e-5),), (x, w), (g,)),
+        "rope fwd": torch.no_grad()(lambda: kt.apply_rotary_pos_emb(i.q, i.k, i.cos, i.sin)),
         "rope fwd+bwd": _grad(
             lambda: kt.apply_rotary_pos_emb(i.q, i.k, i.cos, i.sin), (i.q, i.k), (i.gq, i.gk)
         ),
+        "silu_mul fwd": torch.no_grad()(lambda: kt.silu_mul(i.a, i.c)),
         "silu_mul fwd+bwd": _grad(lambda: (kt.silu_mul(i.a, i.c),), (i.a, i.c), (i.ga,)),
     }
     if hasattr(kt, "fused_add_rms_norm"):
@@ -106,10 +109,13 @@ def liger_cases(i: Inputs) -> dict:
         "autograd add (yardstick)": _grad(lambda: (x + r,), (x, r), (g,)),
         "rms_norm fwd": torch.no_grad()(lambda: norm(x)),
         "rms_norm fwd+bwd": _grad(lambda: (norm(x),), (x, norm.weight), (g,)),
+        "layer_norm fwd": torch.no_grad()(lambda: ln(x)),
         "layer_norm fwd+bwd": _grad(lambda: (ln(x),), (x, ln.weight), (g,)),
+        "rope fwd": torch.no_grad()(lambda: liger_rotary_pos_emb(i.q, i.k, i.cos, i.sin)),
         "rope fwd+bwd": _grad(
             lambda: liger_rotary_pos_emb(i.q, i.k, i.cos, i.sin), (i.q, i.k), (i.gq, i.gk)
         ),
+        "silu_mul fwd": torch.no_grad()(lambda: LigerSiLUMulFunction.apply(i.a, i.c)),
         "silu_mul fwd+bwd": _grad(
             lambda: (LigerSiLUMulFunction.apply(i.a, i.c),), (i.a, i.c), (i.ga,)
         ),

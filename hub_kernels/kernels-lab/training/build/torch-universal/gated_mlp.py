@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import tensor_parallel
-from ._common import has_hooks, op_name
+from ._common import has_hooks, needs_grad, op_name
 from .swiglu import GELU_ERF, GELU_TANH, SILU, _glu_backward_any, _glu_forward_any, graph_is_freed
 
 __all__ = ["GELU_ERF", "GELU_TANH", "SILU", "GatedMLPFunction", "gated_mlp"]
@@ -192,4 +192,6 @@ def gated_mlp(x, gate_proj, up_proj, down_proj, act: int) -> torch.Tensor | None
     weights = (gate_proj.weight, up_proj.weight, down_proj.weight)
     if torch.compiler.is_compiling():
         return gated_mlp_fwd(x, *weights, act)[0]
+    if not needs_grad(x, *weights):  # inference: no autograd Function's host cost
+        return _forward(x, *weights, act)[0]
     return GatedMLPFunction.apply(x, *weights, act)

@@ -20,6 +20,7 @@ from ._common import (
     config_is_final,
     contiguous_strides,
     fast_launch,
+    needs_grad,
     next_pow2,
     op_name,
     pick_config,
@@ -487,4 +488,6 @@ def layer_norm(
         return dtensor_layer_norm(layer_norm, x, weight, bias, eps)
     if torch.compiler.is_compiling():
         return layer_norm_fwd(x, weight, bias, float(eps))[0]
+    if not needs_grad(x, weight, bias):  # inference: no autograd Function's host cost
+        return _forward_any(x, weight, bias, float(eps))[0]
     return _LayerNormFunction.apply(x, weight, bias, float(eps))

@@ -29,6 +29,7 @@ from ._common import (
     config_is_final,
     fast_launch,
     graph_is_freed,
+    needs_grad,
     next_pow2,
     op_name,
     pick_config,
@@ -762,6 +763,28 @@ def _eager_key(q, k, cos, sin, unsqueeze_dim) -> tuple:
 _EAGER_PLANS = PlanCache()
 
 
+def _eager_forward(q, k, cos, sin, unsqueeze_dim, plan):
+    """(q rotated, k rotated, halves_repeat's answer): the eager forward's kernel, over q and k
+    themselves where that is safe (see above)."""
+    repeats = halves_repeat(cos, sin)
+    in_q, in_k = _own_memory(q), _own_memory(k)
+    if in_q and in_k and _overlap(q, k):
+        in_q = in_k = False
+    out = (q if in_q else None, k if in_k else None)
+    # The plan rotate would find: the eager key fixes all of rotate's key but `out`.
+    index = 2 * in_q + in_k
+    rotation = plan.forward[index]
+    if rotation is None:
+        rotation = plan.forward[index] = _rotate_plan(q, k, cos, sin, unsqueeze_dim, False, out)
+    qo, ko = rotation(q, k, cos, sin, repeats, out)
+    # The Triton kernel wrote behind autograd's back: bump the counters it would have.
+    if in_q:
+        torch.autograd.graph.increment_version(q)
+    if in_k:
+        torch.autograd.graph.increment_version(k)
+    return qo, ko, repeats
+
+
 class _RopeFunction(torch.autograd.Function):
     """The eager path: the same kernel without the custom-op dispatch cost on every call, in
     place where that is safe (see above). `plan` is the call's `_EagerPlan`."""
@@ -770,26 +793,11 @@ class _RopeFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, unsqueeze_dim, plan):
         ctx.save_for_backward(cos, sin)
         ctx.unsqueeze_dim = unsqueeze_dim
-        repeats = halves_repeat(cos, sin)
+        qo, ko, repeats = _eager_forward(q, k, cos, sin, unsqueeze_dim, plan)
         # A host answer holds for the backward too: cos and sin are saved tensors, so autograd
         # refuses the backward if an in-place op changed them. A device flag may still be in
         # flight on another stream by then, so the backward asks again.
         ctx.repeats = repeats if isinstance(repeats, bool) else _ASK
-        in_q, in_k = _own_memory(q), _own_memory(k)
-        if in_q and in_k and _overlap(q, k):
-            in_q = in_k = False
-        out = (q if in_q else None, k if in_k else None)
-        # The plan rotate would find: the eager key fixes all of rotate's key but `out`.
-        index = 2 * in_q + in_k
-        rotation = plan.forward[index]
-        if rotation is None:
-            rotation = plan.forward[index] = _rotate_plan(q, k, cos, sin, unsqueeze_dim, False, out)
-        qo, ko = rotation(q, k, cos, sin, repeats, out)
-        # The Triton kernel wrote behind autograd's back: bump the counters it would have.
-        if in_q:
-            torch.autograd.graph.increment_version(q)
-        if in_k:
-            torch.autograd.graph.increment_version(k)
         return qo, ko
 
     @staticmethod
@@ -836,6 +844,8 @@ def apply_rotary_pos_emb(
         _EAGER_PLANS.keep(key, plan)
     if not plan.triton:
         return composite(q, k, cos, sin, unsqueeze_dim)
+    if not needs_grad(q, k, cos, sin):  # inference: no autograd Function's host cost
+        return _eager_forward(q, k, cos, sin, unsqueeze_dim, plan)[:2]
     return _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, plan)
 
 

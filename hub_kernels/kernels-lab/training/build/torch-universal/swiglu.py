@@ -32,6 +32,7 @@ from ._common import (
     fast_launch,
     flat,
     graph_is_freed,
+    needs_grad,
     op_name,
     rows_stride,
     use_triton,
@@ -558,6 +559,8 @@ def _glu(a, b, act, in_place=False):
         return tensor_parallel.elementwise(_glu, a, b, act=act, in_place=in_place)
     if torch.compiler.is_compiling():
         return glu_fwd(a, b, act)  # the compiled graph owns its buffers: in_place is ignored
+    if not needs_grad(a, b):  # inference: the kernel alone, no autograd Function's host cost
+        return _glu_forward_any(a, b, act)
     return _GLUFunction.apply(a, b, act, in_place)
 
 
@@ -604,6 +607,8 @@ def glu_halves(x: torch.Tensor, act: int, *, in_place: bool = False) -> torch.Te
         return _torch_act(gate, act) * up
     if torch.compiler.is_compiling():
         return glu_fwd(*x.chunk(2, dim=-1), act)  # the compiled graph owns its buffers
+    if not needs_grad(x):
+        return _glu_forward_any(*x.chunk(2, dim=-1), act)
     return _GLUHalvesFunction.apply(x, act, in_place)
 
 
@@ -613,6 +618,8 @@ def silu(x: torch.Tensor) -> torch.Tensor:
         return tensor_parallel.elementwise(silu, x)
     if torch.compiler.is_compiling():
         return act_fwd(x, SILU)
+    if not needs_grad(x):
+        return _act_forward_any(x, SILU)
     return _ActFunction.apply(x, SILU)
 
 
@@ -627,4 +634,6 @@ def relu_squared(x: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
         return tensor_parallel.elementwise(relu_squared, x, in_place=in_place)
     if torch.compiler.is_compiling():
         return act_fwd(x, RELU_SQUARED)  # the compiled graph owns its buffers
+    if not needs_grad(x):
+        return _act_forward_any(x, RELU_SQUARED)
     return _ActFunction.apply(x, RELU_SQUARED, in_place)
