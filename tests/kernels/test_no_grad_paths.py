@@ -2,8 +2,8 @@
 
 Generation (TRL's rollouts, evaluation) calls the bound layers under no_grad, one token at a
 time, where the host's work per op is the step's cost. Under no_grad, or on inputs that need no
-gradient, the eager paths of GLU, the activations, the gated MLP, LayerNorm and RoPE launch
-their forward directly: the same kernel and values as the training forward, no Function.apply
+gradient, the eager paths of GLU, the activations, the gated, GELU and ReLU² MLPs, the MoE
+experts, LayerNorm, RoPE and the fused-qkv split + RoPE launch their forward directly: the same kernel and values as the training forward, no Function.apply
 (the RMSNorm paths are tested in test_rms_norm.py). Inputs here need a gradient, so grad mode is
 what decides.
 """
@@ -31,6 +31,15 @@ def _cases(kt):
     cos, sin = emb.cos(), emb.sin()
     lin = [torch.nn.Linear(48, 32, bias=False), torch.nn.Linear(48, 32, bias=False)]
     down = torch.nn.Linear(32, 48, bias=False)
+    fc = [torch.nn.Linear(48, 32), torch.nn.Linear(32, 48)]  # with biases
+    qkv_mod = sys.modules[kt.__name__ + ".qkv_attention"]
+    qkv = _leaf(2, 7, (4 + 2 * 2) * 16)
+    gelu = sys.modules[kt.__name__ + ".gelu_mlp"]
+    relu2 = sys.modules[kt.__name__ + ".relu_squared_mlp"]
+    moe = sys.modules[kt.__name__ + ".moe"]
+    w_gate_up, w_down = _leaf(3, 2 * 24, 48) / 7, _leaf(3, 48, 24) / 5  # 3 experts, I = 24
+    top_idx = torch.randint(0, 3, (5, 2))
+    top_w = torch.rand(5, 2).requires_grad_()
     return {
         "silu_mul": (swiglu, "_GLUFunction", lambda: kt.silu_mul(a, b)),
         "gelu_mul": (swiglu, "_GLUFunction", lambda: kt.gelu_mul(a, b)),
@@ -53,6 +62,31 @@ def _cases(kt):
             # clones: the rotation may be written over its inputs
             lambda: kt.apply_rotary_pos_emb(q.clone(), k.clone(), cos, sin),
         ),
+        "split_qkv_rope": (
+            qkv_mod,
+            "SplitQKVRope",
+            lambda: qkv_mod.split_qkv_rope(qkv, cos, sin, 4, 2, 16),
+        ),
+        "gelu_mlp": (
+            gelu,
+            "GELUMLPFunction",
+            lambda: gelu.gelu_mlp(h, fc[0], fc[1], swiglu.GELU_TANH),
+        ),
+        "gelu_activation": (
+            swiglu,
+            "_ActFunction",
+            lambda: gelu.gelu_activation(a, swiglu.GELU_ERF),
+        ),
+        "relu_squared_mlp": (
+            relu2,
+            "ReLUSquaredMLPFunction",
+            lambda: relu2.relu_squared_mlp(h, lin[0], down),
+        ),
+        "moe_experts": (
+            moe,
+            "_MoEFunction",
+            lambda: moe.moe_experts(h, w_gate_up, w_down, top_idx, top_w, moe.SILU),
+        ),
     }
 
 
@@ -67,7 +101,8 @@ class _Refused:
 
 
 NAMES = ["silu_mul", "gelu_mul", "glu_halves", "silu", "relu_squared", "gated_mlp",
-         "layer_norm", "rope"]  # fmt: skip
+         "layer_norm", "rope", "split_qkv_rope", "gelu_mlp", "gelu_activation",
+         "relu_squared_mlp", "moe_experts"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)

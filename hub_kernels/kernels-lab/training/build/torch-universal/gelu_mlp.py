@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import has_hooks
+from ._common import has_hooks, needs_grad
 from .swiglu import (
     GELU_ERF,
     GELU_TANH,
@@ -40,15 +40,20 @@ def _linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.
     return x2 @ w.t() if b is None else torch.addmm(b, x2, w.t())
 
 
+def _forward(x, w1, b1, w2, b2, act):
+    """(fc2(act(fc1(x))), fc1's output u, the one tensor the backward needs besides x)."""
+    u = _linear(x.reshape(-1, x.shape[-1]), w1, b1)
+    h = _act_forward_any(u, act)
+    return _linear(h, w2, b2).view(*x.shape[:-1], w2.shape[0]), u
+
+
 class GELUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, act):
-        x2 = x.reshape(-1, x.shape[-1])
-        u = _linear(x2, w1, b1)
-        h = _act_forward_any(u, act)
+        y, u = _forward(x, w1, b1, w2, b2, act)
         ctx.save_for_backward(x, u, w1, w2)
         ctx.act, ctx.biases = act, (b1 is not None, b2 is not None)
-        return _linear(h, w2, b2).view(*x.shape[:-1], w2.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -91,7 +96,10 @@ def gelu_mlp(x: torch.Tensor, fc1, fc2, act: int) -> torch.Tensor | None:
         or any(m.weight.dtype != x.dtype for m in linears)
     ):
         return None
-    return GELUMLPFunction.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, act)
+    params = (fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    if not needs_grad(x, *params):  # inference: no autograd Function's host cost
+        return _forward(x, *params, act)[0]
+    return GELUMLPFunction.apply(x, *params, act)
 
 
 def gelu_activation(x: torch.Tensor, act: int, *, in_place: bool = False) -> torch.Tensor:
@@ -99,4 +107,6 @@ def gelu_activation(x: torch.Tensor, act: int, *, in_place: bool = False) -> tor
     only; ``in_place`` writes d(x) over x (as swiglu.relu_squared does)."""
     if torch.compiler.is_compiling():
         return act_fwd(x, act)  # the compiled graph owns its buffers
+    if not needs_grad(x):
+        return _act_forward_any(x, act)
     return _ActFunction.apply(x, act, in_place)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import cdiv, fast_launch, op_name, use_triton
+from ._common import cdiv, fast_launch, needs_grad, op_name, use_triton
 from ._triton import tl, triton
 from .swiglu import (
     GELU_ERF,
@@ -625,6 +625,10 @@ def moe_experts(
             float(limit), interleaved, transposed,
         )[0]  # fmt: skip
     gate = (act, float(alpha), float(limit), interleaved)
+    if not needs_grad(x, w_gate_up, w_down, b_gate_up, b_down, top_k_weights):  # inference
+        return _forward(
+            x, w_gate_up, w_down, b_gate_up, b_down, top_k_index, top_k_weights, gate, transposed
+        )[0]
     return _MoEFunction.apply(
         x, w_gate_up, w_down, b_gate_up, b_down, top_k_index, top_k_weights, gate, transposed
     )

@@ -37,6 +37,7 @@ import weakref
 
 import torch
 
+from ._common import needs_grad
 from .rope import _ASK, composite, halves_repeat, rotate, triton_supported
 
 
@@ -81,19 +82,24 @@ def _rotate_into(q, k, cos, sin, qo, ko, backward: bool, kernel: bool, repeats=_
         ko[..., rd:].copy_(k[..., rd:])
 
 
+def _split_rotate(qkv, cos, sin, heads, kv_heads, head_dim):
+    """(q rotated, k rotated, v: new contiguous tensors; halves_repeat's answer or _ASK)."""
+    q, k, v = _blocks(qkv, heads, kv_heads, head_dim)
+    qo = torch.empty(q.shape, dtype=qkv.dtype, device=qkv.device)
+    ko = torch.empty(k.shape, dtype=qkv.dtype, device=qkv.device)
+    kernel = _kernel_takes(q, k, cos, sin)
+    repeats = halves_repeat(cos, sin) if kernel else _ASK
+    _rotate_into(q, k, cos, sin, qo, ko, False, kernel, repeats)
+    return qo, ko, v.clone(memory_format=torch.contiguous_format), repeats
+
+
 class SplitQKVRope(torch.autograd.Function):
     """(qkv, cos, sin, heads, kv_heads, head_dim) -> rotated q, rotated k, v: new contiguous
     [B, T, H, D] tensors; saves cos and sin only (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, heads, kv_heads, head_dim):
-        q, k, v = _blocks(qkv, heads, kv_heads, head_dim)
-        qo = torch.empty(q.shape, dtype=qkv.dtype, device=qkv.device)
-        ko = torch.empty(k.shape, dtype=qkv.dtype, device=qkv.device)
-        kernel = _kernel_takes(q, k, cos, sin)
-        repeats = halves_repeat(cos, sin) if kernel else _ASK
-        _rotate_into(q, k, cos, sin, qo, ko, False, kernel, repeats)
-        vo = v.clone(memory_format=torch.contiguous_format)
+        qo, ko, vo, repeats = _split_rotate(qkv, cos, sin, heads, kv_heads, head_dim)
         ctx.save_for_backward(cos, sin)
         ctx.shape = (heads, kv_heads, head_dim)
         # A host answer holds for the backward (cos and sin are saved: an in-place change is
@@ -125,6 +131,8 @@ def split_qkv_rope(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k rotated by transformers' rotate-half RoPE (cos/sin [B or 1, T, rotary dims]) and v,
     each a new contiguous [B, T, H, D] tensor, from qkv [B, T, (Hq + 2 Hk) D]."""
+    if not needs_grad(qkv, cos, sin):  # inference: no autograd Function's host cost
+        return _split_rotate(qkv, cos, sin, heads, kv_heads, head_dim)[:3]
     return SplitQKVRope.apply(qkv, cos, sin, heads, kv_heads, head_dim)
 
 

@@ -15,21 +15,26 @@ from __future__ import annotations
 
 import torch
 
-from ._common import has_hooks
+from ._common import has_hooks, needs_grad
 from .swiglu import RELU_SQUARED, _act_backward_any, _act_forward_any, graph_is_freed
 
 __all__ = ["ReLUSquaredMLPFunction", "relu_squared_mlp"]
 
 
+def _forward(x, w_up, w_down):
+    """(down(relu(up(x))^2), up's output u, the one tensor the backward needs besides x)."""
+    u = x.reshape(-1, x.shape[-1]) @ w_up.t()
+    h = _act_forward_any(u, RELU_SQUARED)
+    # a fresh tensor, not a view: callers may add to the MLP's output in place
+    return torch.matmul(h.view(*x.shape[:-1], u.shape[-1]), w_down.t()), u
+
+
 class ReLUSquaredMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_up, w_down):
-        x2 = x.reshape(-1, x.shape[-1])
-        u = x2 @ w_up.t()
-        h = _act_forward_any(u, RELU_SQUARED)
+        y, u = _forward(x, w_up, w_down)
         ctx.save_for_backward(x, u, w_up, w_down)
-        # a fresh tensor, not a view: callers may add to the MLP's output in place
-        return torch.matmul(h.view(*x.shape[:-1], u.shape[-1]), w_down.t())
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -70,4 +75,6 @@ def relu_squared_mlp(x, up_proj, down_proj) -> torch.Tensor | None:
         or any(type(m.weight).__name__ == "DTensor" for m in linears)  # compose: their TP forwards
     ):
         return None
+    if not needs_grad(x, up_proj.weight, down_proj.weight):  # inference: no Function's host cost
+        return _forward(x, up_proj.weight, down_proj.weight)[0]
     return ReLUSquaredMLPFunction.apply(x, up_proj.weight, down_proj.weight)
