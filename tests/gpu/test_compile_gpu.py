@@ -201,3 +201,46 @@ def test_inductor_fuses_the_residual_add_into_the_norm(kt, shape, monkeypatch):
         torch.testing.assert_close(
             g.grad.double(), e.grad, rtol=step, atol=step * e.grad.abs().max().item()
         )
+
+
+DEEP = """
+import sys, time
+import torch
+import kernels
+from transformers import AutoConfig, AutoModelForCausalLM
+
+config = AutoConfig.for_model(
+    "qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=28,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+)
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+kernels.apply_training_kernels(model)
+ids = torch.randint(0, 512, (2, 64), device="cuda")
+start = time.perf_counter()
+torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+torch.cuda.synchronize()
+print(f"first step {time.perf_counter() - start:.1f} s")
+"""
+
+
+def test_a_28_layer_bound_model_compiles(tmp_path):
+    """Qwen3-0.6B's depth, tiny widths: the first compiled step ends. Before inductor_note.py,
+    Inductor's note on the loss head's first lowering printed the chain of 56 fused norms as a
+    tree (2^56 branches) and this compile never ended on torch 2.11. In a fresh process with an
+    empty Inductor cache (a cached graph skips lowering); 600 s allows a cold Triton cache."""
+    import os
+    import subprocess
+
+    env = dict(
+        os.environ,
+        LOCAL_KERNELS=f"kernels-lab/training={VARIANT}",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", DEEP], capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout.strip())
+    assert "first step" in done.stdout
