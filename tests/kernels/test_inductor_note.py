@@ -60,3 +60,22 @@ def test_a_deep_chain_of_norm_ops_compiles_with_a_short_fallback_note(tmp_path):
     # One line per argument: kind, name, size and dtype of the last op's input.
     assert "rms_norm_fwd.default" in log
     assert "args[0]: TensorBox buf" in log and "[4, 16] torch.float32" in log
+
+
+def test_the_note_is_replaced_once_and_left_alone_where_torch_has_none(kt, monkeypatch):
+    import importlib
+
+    from torch._inductor import exc
+
+    note = importlib.import_module(kt.__name__ + ".inductor_note")
+    monkeypatch.setattr(exc.OperatorIssue, "operator_str", exc.OperatorIssue.operator_str)
+    note.shorten_fallback_note()
+    installed = exc.OperatorIssue.__dict__["operator_str"]
+    note.shorten_fallback_note()  # a second trace: the same method stays
+    assert exc.OperatorIssue.__dict__["operator_str"] is installed
+    text = exc.OperatorIssue.operator_str("op", [1.5, [2, "x"]], {"k": None})
+    assert text.splitlines() == ["  target: op", "  args[0]: 1.5", "  args[1]: [2, 'x']",
+                                 "  kwargs: {k: None}"]  # fmt: skip
+    monkeypatch.delattr(exc.OperatorIssue, "operator_str")  # a torch without the method
+    note.shorten_fallback_note()
+    assert not hasattr(exc.OperatorIssue, "operator_str")

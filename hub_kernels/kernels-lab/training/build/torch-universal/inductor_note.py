@@ -21,10 +21,15 @@ _LIMIT = 200  # characters per argument in the note
 
 
 def shorten_fallback_note() -> None:
-    """Install the short argument text in Inductor's OperatorIssue (once per process)."""
-    from torch._inductor.exc import OperatorIssue
+    """Install the short argument text in Inductor's OperatorIssue (once per process; nothing
+    where a torch release has no such method: the note is Inductor's internals)."""
+    try:
+        from torch._inductor.exc import OperatorIssue
 
-    if getattr(OperatorIssue.operator_str, _MARK, False):
+        current = OperatorIssue.operator_str
+    except (ImportError, AttributeError):
+        return
+    if getattr(current, _MARK, False):
         return
     setattr(_operator_str, _MARK, True)
     OperatorIssue.operator_str = staticmethod(_operator_str)
