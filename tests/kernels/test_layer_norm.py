@@ -9,6 +9,7 @@ import pytest
 import torch
 from _training_refs import DTYPES, assert_close, layer_norm64, leaf64
 
+from tests.gpu.launches import TritonLaunches
 from tests.sweep import sweep_param
 
 SHAPES = [(7, 77), (37, 1000), (1, 64), (3, 5000), (2, 3, 128)]
@@ -111,3 +112,27 @@ def test_reload_and_stages_give_the_same_gradients(kt, affine):
         for stages in (1, 2):
             got = grads(reload=reload, stages=stages)
             assert all(torch.equal(g, e) for g, e in zip(got, base, strict=True)), (reload, stages)
+
+
+def test_a_forward_no_gradient_follows_stores_no_statistics(kt):
+    """Under no_grad, or on inputs that need no gradient, the forward launches without STATS
+    (no mean or rstd stored or allocated) and records no autograd node; its values are the
+    training forward's, bit for bit. With a gradient to come, STATS is on."""
+    mod = sys.modules[kt.__name__ + ".layer_norm"]
+    x, w, b = torch.randn(6, 96), torch.randn(96).requires_grad_(), torch.randn(96)
+
+    def stats_flags():
+        with TritonLaunches(mod) as launches:
+            y = kt.layer_norm(x, w, b, 1e-5)
+        return y, {launch.options["STATS"] for launch in launches.of("_layer_norm_fwd_kernel")}
+
+    y_train, flags = stats_flags()
+    assert flags == {True} and y_train.grad_fn is not None
+    with torch.no_grad():
+        y, flags = stats_flags()
+    assert flags == {False} and y.grad_fn is None
+    assert torch.equal(y, y_train.detach())
+    w.requires_grad_(False)  # grad mode on, nothing needs a gradient
+    y, flags = stats_flags()
+    assert flags == {False} and y.grad_fn is None and torch.equal(y, y_train.detach())
+    assert mod.forward(x, w, b, 1e-5, stats=False)[1:] == (None, None)

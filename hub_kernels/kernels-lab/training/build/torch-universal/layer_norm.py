@@ -36,7 +36,9 @@ from .tensor_parallel import dtensor_layer_norm, is_dtensor
 def _layer_norm_fwd_kernel(
     X, W, B, Y, MEAN, RSTD, M, N, stride_x, stride_y, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    STATS: tl.constexpr,
 ):  # fmt: skip
+    # STATS: store mean and rstd for a backward; a forward no gradient follows skips the stores.
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -54,8 +56,9 @@ def _layer_norm_fwd_kernel(
     if HAS_B:
         y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + rows, mean, mask=rmask)
-    tl.store(RSTD + rows, rstd, mask=rmask)
+    if STATS:
+        tl.store(MEAN + rows, mean, mask=rmask)
+        tl.store(RSTD + rows, rstd, mask=rmask)
 
 
 @triton.jit
@@ -186,16 +189,18 @@ def _layer_norm_bwd_kernel(
         tl.store(DB_PART + pid * N + cols, db_row, mask=cmask)
 
 
-def forward(x, weight, bias, eps, cfg=None):
-    """Triton forward: (y like x, mean [rows] fp32, rstd [rows] fp32). A call without `cfg`
-    runs the plan its key maps to (row stride, allocation shapes, scalars, the bound launch)."""
+def forward(x, weight, bias, eps, cfg=None, stats=True):
+    """Triton forward: (y like x, mean [rows] fp32, rstd [rows] fp32); without `stats` (no
+    backward will follow) neither is stored nor allocated, and both are None. A call without
+    `cfg` runs the plan its key maps to (row stride, allocation shapes, scalars, the bound
+    launch)."""
     if cfg is not None:
-        return _ForwardPlan(x, weight, bias, eps, cfg)(x, weight, bias)
+        return _ForwardPlan(x, weight, bias, eps, cfg, stats)(x, weight, bias)
     key = (x.shape, x.stride(), x.dtype, x.device, weight is None or weight.dtype,
-           bias is None or bias.dtype, eps)  # fmt: skip
+           bias is None or bias.dtype, eps, stats)  # fmt: skip
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = _ForwardPlan(x, weight, bias, eps, None)
+        plan = _ForwardPlan(x, weight, bias, eps, None, stats)
         _FORWARD_PLANS.keep(key, plan)
     return plan(x, weight, bias)
 
@@ -203,14 +208,15 @@ def forward(x, weight, bias, eps, cfg=None):
 class _ForwardPlan:
     """What a forward call's key fixes (see rms_norm's plans); the config needs no timing."""
 
-    __slots__ = ("m", "n", "shape", "strides", "stats", "stats_strides", "device", "dtype",
-                 "x_rows", "scalars", "launch")  # fmt: skip
+    __slots__ = ("m", "n", "shape", "strides", "stats_shape", "stats_strides", "device", "dtype",
+                 "x_rows", "scalars", "launch", "stats")  # fmt: skip
 
-    def __init__(self, x, weight, bias, eps, cfg) -> None:
+    def __init__(self, x, weight, bias, eps, cfg, stats=True) -> None:
+        self.stats = stats
         n = self.n = x.shape[-1]
         m = self.m = x.numel() // n if n else 0
         self.shape, self.strides = x.shape, contiguous_strides(x.shape)
-        self.stats, self.stats_strides = x.shape[:-1], contiguous_strides(x.shape[:-1])
+        self.stats_shape, self.stats_strides = x.shape[:-1], contiguous_strides(x.shape[:-1])
         self.device, self.dtype = x.device, x.dtype
         self.x_rows = rows_stride(x, n)  # None: the call copies x into rows
         self.scalars = (m, n, n if self.x_rows is None else self.x_rows, n, eps)
@@ -220,18 +226,23 @@ class _ForwardPlan:
             self.launch = _layer_norm_fwd_kernel.bound(
                 (cdiv(m, cfg["BLOCK_M"]),),
                 {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": next_pow2(n), "HAS_W": weight is not None,
-                 "HAS_B": bias is not None, "num_warps": cfg["num_warps"]},
+                 "HAS_B": bias is not None, "STATS": stats, "num_warps": cfg["num_warps"]},
             )  # fmt: skip
 
     def __call__(self, x, weight, bias):
         dev = self.device
         # Outputs are allocated in x's shape, contiguous (rows n apart): no views to make.
         y = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=dev)
-        mean = torch.empty_strided(self.stats, self.stats_strides, dtype=torch.float32, device=dev)
-        rstd = torch.empty_strided(self.stats, self.stats_strides, dtype=torch.float32, device=dev)
+        mean = rstd = None
+        if self.stats:
+            shape, strides = self.stats_shape, self.stats_strides
+            mean = torch.empty_strided(shape, strides, dtype=torch.float32, device=dev)
+            rstd = torch.empty_strided(shape, strides, dtype=torch.float32, device=dev)
         if self.launch is not None:
             x2 = x if self.x_rows is not None else as_rows(x, self.n)
-            self.launch(x2, weight, bias, y, mean, rstd, *self.scalars)
+            # y stands in for the statistics the kernel does not store without STATS
+            self.launch(x2, weight, bias, y, y if mean is None else mean,
+                        y if rstd is None else rstd, *self.scalars)  # fmt: skip
         return y, mean, rstd
 
 
@@ -381,9 +392,13 @@ def _torch_backward(dy, x, weight, mean, rstd, compute_dw, compute_db):
     return dx, dw, db
 
 
-def _forward_any(x, weight, bias, eps):
+def _forward_any(x, weight, bias, eps, stats=True):
+    """(y, mean, rstd): the Triton kernel where it applies, else torch ops; without `stats`
+    the Triton path neither stores nor returns the statistics (None)."""
     if use_triton_rows(x):
-        return forward(x, weight, bias, eps)
+        return forward(x, weight, bias, eps, stats=stats)
+    if not stats:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).contiguous(), None, None
     xf = x.float()
     mean = xf.mean(-1)
     rstd = torch.rsqrt(xf.var(-1, unbiased=False) + eps)
@@ -488,6 +503,6 @@ def layer_norm(
         return dtensor_layer_norm(layer_norm, x, weight, bias, eps)
     if torch.compiler.is_compiling():
         return layer_norm_fwd(x, weight, bias, float(eps))[0]
-    if not needs_grad(x, weight, bias):  # inference: no autograd Function's host cost
-        return _forward_any(x, weight, bias, float(eps))[0]
+    if not needs_grad(x, weight, bias):  # inference: no Function, no mean or rstd kept
+        return _forward_any(x, weight, bias, float(eps), stats=False)[0]
     return _LayerNormFunction.apply(x, weight, bias, float(eps))
