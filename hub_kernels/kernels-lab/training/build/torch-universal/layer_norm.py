@@ -397,12 +397,11 @@ def _forward_any(x, weight, bias, eps, stats=True):
     the Triton path neither stores nor returns the statistics (None)."""
     if use_triton_rows(x):
         return forward(x, weight, bias, eps, stats=stats)
+    y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps).contiguous()
     if not stats:
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).contiguous(), None, None
+        return y, None, None
     xf = x.float()
-    mean = xf.mean(-1)
-    rstd = torch.rsqrt(xf.var(-1, unbiased=False) + eps)
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).contiguous(), mean, rstd
+    return y, xf.mean(-1), torch.rsqrt(xf.var(-1, unbiased=False) + eps)
 
 
 def _backward_any(dy, x, weight, mean, rstd, compute_dw, compute_db):
