@@ -26,6 +26,10 @@ from tests.gpu.variant import load_variant
 
 kt = load_variant("_kt_inductor_note")
 depth = int(sys.argv[2])
+if sys.argv[3:] == ["without-fix"]:  # scripts/probes/probe_inductor_note_depth.py's baseline
+    import importlib
+
+    importlib.import_module("_kt_inductor_note.inductor_note").shorten_fallback_note = lambda: None
 logging.getLogger("torch._inductor.graph").setLevel(logging.INFO)
 
 
