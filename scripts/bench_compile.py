@@ -323,22 +323,10 @@ def table(rows: list[dict], run: str) -> str:
 
 
 def header(args) -> str:
-    import torch
-    from bench_supervise import git_commit
-    from bench_train import cpu_model
+    from bench_supervise import run_environment
 
-    versions = {"torch": torch.__version__}
-    for name in ("transformers", "triton", "liger-kernel", "kernels"):
-        try:
-            versions[name] = __import__("importlib.metadata").metadata.version(name)
-        except Exception:  # noqa: BLE001 - a header cell, never a failure
-            versions[name] = "n/a"
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     return (
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, host {cpu_model()} "
-        f"({os.cpu_count()} CPUs), "
-        + ", ".join(f"{k} {v}" for k, v in versions.items())
-        + f", commit {git_commit(ROOT)}. Random init, bf16, sdpa, AdamW(fused), {args.steps} "
+        run_environment(ROOT) + f". Random init, bf16, sdpa, AdamW(fused), {args.steps} "
         f"steps, median of steps {args.warmup + 1}-{args.steps}"
         + (" (--smoke: tiny models on the CPU, aot_eager)" if args.smoke else "")
         + "."
