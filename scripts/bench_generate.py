@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -175,11 +174,16 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    unknown = set(args.setups.split(",")) - set(SETUPS)
+    if unknown:
+        p.error(f"unknown setups {sorted(unknown)}; choose from {', '.join(SETUPS)}")
     if args.smoke:
         args.prompt, args.new, args.warmup, args.runs = 8, 4, 0, 2
     os.environ["LOCAL_KERNELS"] = f"kernels-lab/training={VARIANT}"
+    from bench_train import emit_result, run_setup
+
     if args.child:
-        print("RESULT " + json.dumps(child(args)))
+        emit_result({"setup": args.child, "rows": child(args)})
         return 0
     rows = []
     for setup in args.setups.split(","):
@@ -190,17 +194,9 @@ def main() -> int:
                ",".join(map(str, args.batches)), "--prompt", str(args.prompt), "--new",
                str(args.new), "--warmup", str(args.warmup), "--runs", str(args.runs)]  # fmt: skip
         cmd += ["--smoke"] if args.smoke else []
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.setup_timeout)
-            got = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-            if not got:
-                print(f"{setup}: failed\n{done.stderr[-2000:]}", flush=True)
-                continue
-            rows += json.loads(got[-1][len("RESULT ") :])
-        except subprocess.TimeoutExpired:
-            print(f"{setup}: over {args.setup_timeout} s", flush=True)
-            continue
-        print(f"{setup}: done", flush=True)
+        result = run_setup(setup, cmd, dict(os.environ), args.setup_timeout)
+        rows += result.get("rows", [])
+        print(f"{setup}: {result.get('error', 'done')}", flush=True)
     text = header(args) + "\n\n" + table(rows, args.batches) + "\n"
     print(text)
     if args.out:

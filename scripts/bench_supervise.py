@@ -68,22 +68,14 @@ def git_commit(root) -> str:
 def run_environment(root) -> str:
     """One line for a benchmark's header: UTC date, GPU, host CPU, the versions of torch,
     transformers, triton, liger-kernel and this package, and the commit at `root`."""
-    import importlib.metadata
-
     import torch
-    from bench_train import cpu_model
+    from bench_train import cpu_model, versions
 
-    versions = {"torch": torch.__version__}
-    for name in ("transformers", "triton", "liger-kernel", "kernels"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "n/a"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     return (
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, host {cpu_model()} "
         f"({os.cpu_count()} CPUs), "
-        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in versions().items())
         + f", commit {git_commit(root)}"
     )
 

@@ -17,10 +17,10 @@ import sys
 import kernels
 import pytest
 import torch
+from _graph_code import Counting
 from _live_bytes import LiveBytes
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.debugging import aot_eager
 
 from tests.class_marks import restored
 from tests.models.registry import causal_lm_class, tiny_config
@@ -57,18 +57,6 @@ def bound_pair(model_type: str, attn: str):
     report = kernels.apply_training_kernels(model)
     kernels.apply_training_kernels(twin)
     return model, twin, report
-
-
-class Counting:
-    """A backend that counts the graphs Dynamo hands it (one per compile or recompile) and
-    keeps their code, then runs aot_eager."""
-
-    def __init__(self) -> None:
-        self.graphs: list[str] = []
-
-    def __call__(self, gm, inputs):
-        self.graphs.append(gm.code)
-        return aot_eager(gm, inputs)
 
 
 def step(model, ids):
