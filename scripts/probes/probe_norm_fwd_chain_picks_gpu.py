@@ -54,7 +54,8 @@ def forced(tag: str, rms, m: int, n: int, cfg: dict) -> Impl:
 
         return fwd, fwd
 
-    return Impl(f"{tag} {cfg['BLOCK_M']}r{cfg['num_warps']}w", make)
+    even = (f" loop{cfg['LOOP']}" if cfg.get("LOOP") else "") + (" even" if cfg.get("EVEN") else "")
+    return Impl(f"{tag} {cfg['BLOCK_M']}r{cfg['num_warps']}w{even}", make)
 
 
 def main() -> None:

@@ -16,8 +16,12 @@ NVDISASM = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
 def sass_opcodes(kernel, types: dict, constants: dict, warps: int) -> list[str]:
     """The opcodes of `kernel` with `constants` fixed; `types` gives each other argument's
     Triton type ("*bf16", "fp32", ...; "i32" when absent). Pointers and integers are marked
-    divisible by 16, as the JIT specialises them at 16-aligned shapes."""
+    divisible by 16, as the JIT specialises them at 16-aligned shapes. Constexprs not in
+    `constants` take their defaults."""
     names = kernel.arg_names
+    # A constexpr left out takes its declared default (else it would compile as an i32 argument).
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    constants = {**defaults, **constants}
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]

@@ -30,6 +30,7 @@ class Launch(NamedTuple):
     kernel: str
     grid: Any
     options: dict[str, Any]
+    pointers: tuple[int, ...] = ()  # data_ptr() of the tensor arguments, in order
 
 
 def _jit_kernels(module: types.ModuleType) -> dict[str, Any]:
@@ -128,7 +129,8 @@ class TritonLaunches:
         def run(*args, grid, warmup=False, **kwargs):
             if not warmup:
                 options = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, str))}
-                self.launches.append(Launch(name, grid, options))
+                pointers = tuple(a.data_ptr() for a in args if hasattr(a, "data_ptr"))
+                self.launches.append(Launch(name, grid, options, pointers))
             return original(*args, grid=grid, warmup=warmup, **kwargs)
 
         kernel.run = run

@@ -203,7 +203,7 @@ def test_rms_norm_every_candidate(kt, shape, dtype):
     for cfg in mod.fwd_candidates(*shape):
         with TritonLaunches(mod, device=True) as launches:
             y = mod.forward(x, w, 1e-6, False, cfg)[0]
-        launches.assert_launched("_rms_norm_fwd_kernel", **cfg)
+        launches.assert_launched(mod.fwd_kernel(cfg).fn.__name__, **cfg)
         launches.assert_device_matches()
         check(y, y64, dtype, f"y {cfg}")
     for cfg in mod.bwd_candidates(*shape, row_bytes=2 * x.element_size()):
@@ -272,6 +272,28 @@ def test_tuning_launches_every_candidate(kt, monkeypatch):
                 continue
             count = len(launches.assert_launched(kernel, **options(cfg)))
             assert count >= 3, f"{kernel} {cfg}: {count} launches"
+
+
+def test_forward_tuning_times_into_alternating_outputs(kt, monkeypatch):
+    """The forward's timing launches alternate between the call's outputs and a spare set, as
+    a model's calls write new buffers (see rms_norm._spare_outputs); the call's own outputs get
+    the winner's values, and the looped geometries are among those timed at 8192 columns."""
+    common = submodule(kt, "_common")
+    mod = submodule(kt, "rms_norm")
+    monkeypatch.setattr(common, "_CHOICES", {})
+    m, n = 1024, 8192
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 + 1
+    with TritonLaunches(mod) as launches:
+        y = kt.rms_norm(x, w, 1e-6)
+    fwd = [launch for launch in launches.launches if launch.kernel.startswith("_rms_norm_fwd")]
+    written = [launch.pointers[3] for launch in fwd]  # Y, the fourth tensor argument
+    assert written[-1] == y.data_ptr()  # the winner's launch into the call's output
+    assert len(set(written)) == 2, "timing wrote one output buffer"
+    assert any("LOOP" in launch.options for launch in fwd)
+    (pick,) = [v for k, v in common._CHOICES.items() if k[0] == "rms_fwd"]
+    want = mod.forward(x, w, 1e-6, False, pick, stats=False)[0]
+    assert torch.equal(y, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

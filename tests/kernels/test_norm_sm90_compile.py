@@ -94,3 +94,34 @@ def test_every_wide_row_geometry_compiles_for_sm90(kt):
     assert len(rows) == expected, stdout
     smem_kib = [float(line.split("|")[-3]) for line in rows]
     assert max(smem_kib) <= 164, stdout
+
+
+# Compiles each forward kernel of rms_norm with and without masks (EVEN), with a residual and the
+# rstd store (every branch of either), for sm_90; one line per compile.
+_FORWARD = """
+import sys
+sys.path[:0] = sys.argv[1:3]
+from bench_harness import load_training_kernels
+from sass import sass_opcodes
+rn = sys.modules[load_training_kernels().__name__ + ".rms_norm"]
+types = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "S": "*bf16", "RSTD": "*fp32",
+         "eps": "fp32", "offset": "fp32"}
+for cfg in ({"BLOCK_M": 2, "num_warps": 4}, {"BLOCK_M": 1, "num_warps": 8, "LOOP": 2048}):
+    kernel = rn.fwd_kernel(cfg)
+    width = {"LOOP": cfg["LOOP"]} if "LOOP" in cfg else {"BLOCK_N": 1024}
+    for even in (False, True):
+        constants = dict(BLOCK_M=cfg["BLOCK_M"], **width, MODE=rn.LLAMA, RESIDUAL=True,
+                         HAS_W=True, HAS_OFFSET=False, STATS=True, EVEN=even)
+        ops = sass_opcodes(kernel.fn, types, constants, cfg["num_warps"])
+        print(f"| fwd | {kernel.fn.__name__} | {even} | {len(ops)} |")
+"""
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton has no bundled ptxas")
+def test_each_forward_specialisation_compiles_for_sm90(kt):
+    """Both forward kernels (whole rows, and two passes over chunks) compile with and without
+    masks (EVEN): the interpreter ran an EVEN variant the compiler refused (a jit function
+    returning from inside a constexpr branch)."""
+    stdout = _probe("-c", _FORWARD, str(ROOT / "scripts"), str(PROBE.parent))
+    rows = [line for line in stdout.splitlines() if line.startswith("| fwd")]
+    assert len(rows) == 4, stdout

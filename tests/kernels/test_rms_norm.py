@@ -189,7 +189,7 @@ def test_every_backward_candidate(kt, shape):
     for cfg in mod.fwd_candidates(*shape):
         with TritonLaunches(mod) as launches:
             y = mod.forward(x.detach(), w.detach(), 1e-6, False, cfg)[0]
-        launches.assert_launched("_rms_norm_fwd_kernel", **cfg)
+        launches.assert_launched(mod.fwd_kernel(cfg).fn.__name__, **cfg)
         assert_close(y, y64, torch.bfloat16, f"y {cfg}")
 
 
@@ -373,3 +373,51 @@ def test_an_op_run_without_stats_refuses_a_backward(kt, fused):
     assert rstd.shape == (0,)
     with pytest.raises(RuntimeError, match="stats=True"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["LLAMA", "GEMMA", "NONE"])
+def test_even_forward_equals_the_masked_one_where_it_tiles(kt, mode):
+    """Where a geometry tiles [m, n] exactly (n a power of two, BLOCK_M dividing m) the tuner
+    also gets it EVEN (no masks): bit for bit the masked kernel's y, rstd and residual sum, in
+    every casting mode. Shapes it does not tile get no EVEN candidate."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    numerics = (1.0 if mode == "GEMMA" else 0.0, getattr(mod, mode))
+    x, r = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
+    w = torch.randn(128, dtype=torch.bfloat16)
+    even = [c for c in mod.fwd_candidates(64, 128) if c.get("EVEN")]
+    assert even, "no EVEN candidate where every geometry tiles"
+    for cfg in even:
+        masked = {k: v for k, v in cfg.items() if k != "EVEN"}
+        with TritonLaunches(mod) as launches:
+            got = mod.forward(x, w, 1e-6, numerics, cfg, residual=r)
+        launches.assert_launched("_rms_norm_fwd_kernel", EVEN=True)
+        want = mod.forward(x, w, 1e-6, numerics, masked, residual=r)
+        for name, a, b in zip(("y", "rstd", "s"), got, want, strict=True):
+            assert torch.equal(a, b), f"{name} {cfg}"
+    assert not [c for c in mod.fwd_candidates(64, 96) if c.get("EVEN")]  # n not a power of two
+    odd = mod.fwd_candidates(63, 128)  # only one-row geometries tile 63 rows
+    assert all(c["BLOCK_M"] == 1 for c in odd if c.get("EVEN"))
+
+
+def test_an_even_pick_is_not_reused_for_rows_it_does_not_tile(kt, monkeypatch):
+    """Picks are shared by row counts of one bit length; an EVEN pick made for 64 rows must not
+    run unmasked over 96 (it would read and write past the rows)."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    picks: dict = {}
+
+    def pick(key, candidates, launch, cold=None):  # the GPU tuner's cache, picking EVEN
+        best = max(candidates, key=lambda c: (bool(c.get("EVEN")), c["BLOCK_M"]))
+        return picks.setdefault(key, best)
+
+    monkeypatch.setattr(mod, "pick_config", pick)
+    w = torch.randn(128)
+    for m in (64, 96):
+        x = torch.randn(m, 128)
+        with TritonLaunches(mod) as launches:
+            y = mod.forward(x, w, 1e-6, False)[0]
+        (launch,) = launches.of("_rms_norm_fwd_kernel")
+        block_m = launch.options["BLOCK_M"]
+        assert m % block_m == 0 and launch.options["EVEN"], (m, launch.options)
+        assert block_m == {64: 64, 96: 32}[m]  # 64 would run rows 96-127 unmasked
+        rstd = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert_close(y, x.double() * rstd * w.double(), torch.float32, f"{m} rows")

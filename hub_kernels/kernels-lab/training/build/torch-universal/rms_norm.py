@@ -14,7 +14,8 @@ Without a weight, ``y = x̂`` (the offset is ignored, as in Liger) in the input 
 backward computes in fp32 in every mode; dW uses the x̂ the forward multiplied (rounded in llama
 and none modes). ``gemma=True`` is the legacy spelling of offset 1.0 in gemma mode.
 
-The forward keeps one fp32 rstd per row; a forward no gradient will follow (no_grad, or inputs
+The forward holds whole rows of a block in registers, or (one of the geometries the tuner times
+at rows of 8192 columns or more) walks each row in chunks, twice. It keeps one fp32 rstd per row; a forward no gradient will follow (no_grad, or inputs
 that need none) neither stores nor allocates it, and records no autograd node. The backward
 needs x̂ = x·rstd: by default it keeps the input x; with ``save_output=True`` it keeps the output
 y instead and recovers x̂ = y / w (as apex's ``memory_efficient`` norms do). A model's linear
@@ -82,11 +83,24 @@ def resolve_numerics(gemma: bool, offset: float, casting_mode: str | None) -> tu
 
 
 @triton.jit
-def _forward_weight(W, cols, cmask, offset, HAS_OFFSET: tl.constexpr):
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+def _forward_weight(W, cols, cmask, offset, HAS_OFFSET: tl.constexpr, EVEN: tl.constexpr):
+    if EVEN:
+        w = tl.load(W + cols).to(tl.float32)
+    else:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     if HAS_OFFSET:
         w += offset
     return w
+
+
+@triton.jit
+def _load_row_block(ptrs, mask, EVEN: tl.constexpr):
+    """A block of rows (zeros past the edges unless EVEN: then there are none)."""
+    if EVEN:
+        block = tl.load(ptrs)
+    else:
+        block = tl.load(ptrs, mask=mask, other=0.0)
+    return block
 
 
 @fast_launch
@@ -95,7 +109,11 @@ def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, stride_y, stride_s, eps, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, RESIDUAL: tl.constexpr,
     HAS_W: tl.constexpr, HAS_OFFSET: tl.constexpr, STATS: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):  # fmt: skip
+    # EVEN: N == BLOCK_N and BLOCK_M divides M (see `fwd_candidates`): no masks, and the mean a
+    # multiply by the exact reciprocal of the power of two N, as Inductor's shape-specialised
+    # kernels do.
     # RESIDUAL: normalise s = x + r (rounded to x's dtype, as HF's residual add) and store s too.
     # STATS: store rstd for a backward; a forward that no gradient will follow skips the store.
     # HAS_OFFSET: offset != 0. Without it the weight stays exactly a 16-bit value, so the compiler
@@ -106,9 +124,12 @@ def _rms_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
+    if EVEN:
+        mask = None
+    else:
+        mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = _load_row_block(X + r64 * stride_x + cols[None, :], mask, EVEN).to(tl.float32)
     # Rows of 1024 or more read the weight before the row sums, so its load overlaps x's
     # instead of waiting behind the sums' barrier: up to 8 % faster at those shapes on the
     # H200, in CUDA graphs (scripts/probes/probe_norm_fwd_load_order_gpu.py). At 128 it gained
@@ -116,14 +137,17 @@ def _rms_norm_fwd_kernel(
     # load after the sums.
     if HAS_W:
         if BLOCK_N >= 1024:
-            w = _forward_weight(W, cols, cmask, offset, HAS_OFFSET)
+            w = _forward_weight(W, cols, cmask, offset, HAS_OFFSET, EVEN)
     if RESIDUAL:
-        r = tl.load(R + r64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = _load_row_block(R + r64 * stride_r + cols[None, :], mask, EVEN).to(tl.float32)
         # One rounding of the exact fp32 sum: what torch's 16-bit add gives.
         x = (x + r).to(S.dtype.element_ty)
         tl.store(S + r64 * stride_s + cols[None, :], x, mask=mask)
         x = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    if EVEN:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) * (1.0 / BLOCK_N) + eps)
+    else:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     if MODE == 2:  # none: rstd in the input dtype too
         rstd = rstd.to(X.dtype.element_ty).to(tl.float32)
     xhat = x * rstd[:, None]
@@ -132,13 +156,80 @@ def _rms_norm_fwd_kernel(
         xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
     if HAS_W:
         if BLOCK_N < 1024:
-            w = _forward_weight(W, cols, cmask, offset, HAS_OFFSET)
+            w = _forward_weight(W, cols, cmask, offset, HAS_OFFSET, EVEN)
         y = xhat * w[None, :]
     else:
         y = xhat
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if STATS:
-        tl.store(RSTD + rows, rstd, mask=rmask)
+        if EVEN:
+            tl.store(RSTD + rows, rstd)
+        else:
+            tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@fast_launch
+@triton.jit
+def _rms_norm_fwd_looped_kernel(
+    X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, stride_y, stride_s, eps, offset,
+    BLOCK_M: tl.constexpr, LOOP: tl.constexpr, MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_OFFSET: tl.constexpr, STATS: tl.constexpr,
+    EVEN: tl.constexpr = False,
+):  # fmt: skip
+    # The same forward over one row per program in chunks of LOOP columns, in two passes: the sums,
+    # then x̂ and y, reading the row again (kept in L2 by the first read's evict_last). Few
+    # registers per thread, so more rows in flight per SM than a whole row in registers allows.
+    # EVEN: LOOP divides N (no masks). BLOCK_M is 1.
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.arange(0, LOOP)
+    acc = tl.zeros([LOOP], dtype=tl.float32)
+    for c0 in tl.range(0, N, LOOP):
+        cols = c0 + chunk
+        cmask = cols < N
+        if EVEN:
+            x = tl.load(X + row * stride_x + cols, eviction_policy="evict_last")
+        else:
+            x = tl.load(
+                X + row * stride_x + cols, mask=cmask, other=0.0, eviction_policy="evict_last"
+            )
+        x = x.to(tl.float32)
+        if RESIDUAL:
+            r = _load_row_block(R + row * stride_r + cols, cmask, EVEN).to(tl.float32)
+            x = (x + r).to(S.dtype.element_ty)
+            if EVEN:
+                tl.store(S + row * stride_s + cols, x, eviction_policy="evict_last")
+            else:
+                tl.store(S + row * stride_s + cols, x, mask=cmask, eviction_policy="evict_last")
+            x = x.to(tl.float32)
+        acc += x * x
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+    if MODE == 2:  # none: rstd in the input dtype too
+        rstd = rstd.to(X.dtype.element_ty).to(tl.float32)
+    for c0 in tl.range(0, N, LOOP):
+        cols = c0 + chunk
+        cmask = cols < N
+        # The row again (the residual sum s with RESIDUAL), from L2; dropped from it after.
+        if RESIDUAL:
+            src = S + row * stride_s + cols
+        else:
+            src = X + row * stride_x + cols
+        if EVEN:
+            x = tl.load(src, eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = tl.load(src, mask=cmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        xhat = x * rstd
+        if MODE != 1:
+            xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+        if HAS_W:
+            y = xhat * _forward_weight(W, cols, cmask, offset, HAS_OFFSET, EVEN)
+        else:
+            y = xhat
+        if EVEN:
+            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty))
+        else:
+            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=cmask)
+    if STATS:
+        tl.store(RSTD + row, rstd)
 
 
 @triton.jit
@@ -307,6 +398,11 @@ def column_sum_launch(p: int, n: int, device: torch.device, dtype: torch.dtype):
     return _column_sum_kernel.bound((cdiv(n, block_n),), {"BLOCK_P": 64, "BLOCK_N": block_n})
 
 
+def fwd_kernel(cfg: dict):
+    """The forward kernel a geometry runs: two passes over chunks with LOOP, else whole rows."""
+    return _rms_norm_fwd_looped_kernel if cfg.get("LOOP") else _rms_norm_fwd_kernel
+
+
 def fwd_config(m: int, n: int) -> dict:
     """Launch geometry for the forward: several rows per program when rows are short."""
     return fwd_candidates(m, n)[0]
@@ -314,8 +410,20 @@ def fwd_config(m: int, n: int) -> dict:
 
 def fwd_candidates(m: int, n: int) -> list[dict]:
     """Forward geometries worth timing; the first is the default, used untimed while a CUDA graph
-    is captured."""
-    return _fwd_candidates(next_pow2(m), n)
+    is captured. Where a geometry tiles [m, n] exactly it comes twice: masked, and EVEN."""
+    base = _fwd_candidates(next_pow2(m), n)
+    if n != next_pow2(n):
+        return base
+    # Without masks the compiler schedules the loads and stores differently, faster at some
+    # shapes and slower at others (on the H200, in CUDA graphs: 1024 x 1024 faster, 4096 x 1024
+    # 7 % slower), so the variant is timed, not assumed.
+    return base + [dict(c, EVEN=True) for c in base if m % c["BLOCK_M"] == 0 and "LOOP" not in c]
+
+
+def even_key(m: int) -> int:
+    """What decides which EVEN geometries fit m rows (the power of two dividing m), for keys of
+    picks shared across row counts."""
+    return m & -m
 
 
 # Keyed by the row count's power of two, all the lists depend on: varying sequence lengths hit.
@@ -340,6 +448,13 @@ def _fwd_candidates(m_pow2: int, n: int) -> list[dict]:
                 option = {"BLOCK_M": block_m, "num_warps": warps}
                 if 1 <= warps <= 32 and option not in wide:
                     wide.append(option)
+        if block_n >= 8192:  # two passes over chunks (see _rms_norm_fwd_looped_kernel)
+            # In CUDA graphs of 32 calls, each writing a new output, on the H200: the best of
+            # all geometries at 4096 x 8192 (16 warps, chunks of 4096: 0.994x Inductor's, every
+            # whole-row geometry 1.01-1.03x) and at 1024 x 8192 (8 warps, 2048: 0.961x). Chunks
+            # of 1024 and 2048 at 16 warps were never the best, nor unmasked versions of these.
+            wide += [{"BLOCK_M": 1, "num_warps": 16, "LOOP": 4096},
+                     {"BLOCK_M": 1, "num_warps": 8, "LOOP": 2048}]  # fmt: skip
         return wide
     return [cfg(4096, 8), cfg(4096, 4), cfg(8192, 8), cfg(8192, 4), cfg(2048, 4)]
 
@@ -532,24 +647,54 @@ class _ForwardPlan:
         stats = self.stats
 
         def kwargs(c):
-            return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": next_pow2(n), "MODE": self.mode,
-                    "RESIDUAL": residual, "HAS_W": self.has_w, "HAS_OFFSET": offset != 0.0,
-                    "STATS": stats, "num_warps": c["num_warps"]}  # fmt: skip
+            width = {"LOOP": c["LOOP"]} if c.get("LOOP") else {"BLOCK_N": next_pow2(n)}
+            return {"BLOCK_M": c["BLOCK_M"], **width, "MODE": self.mode, "RESIDUAL": residual,
+                    "HAS_W": self.has_w, "HAS_OFFSET": offset != 0.0, "STATS": stats,
+                    "EVEN": c.get("EVEN", False), "num_warps": c["num_warps"]}  # fmt: skip
+
+        outputs = [args]
 
         def launch(c):
-            _rms_norm_fwd_kernel[(cdiv(m, c["BLOCK_M"]),)](*args, **kwargs(c))
+            # Each timed launch writes the other of two output sets (see _spare_outputs).
+            outputs.append(outputs.pop(0))
+            fwd_kernel(c)[(cdiv(m, c["BLOCK_M"]),)](*outputs[-1], **kwargs(c))
 
         keep = cfg is None
         if cfg is None:
             key = ("rms_fwd", m.bit_length(), n, x_dtype, w_dtype, self.device, self.mode,
-                   residual, not self.has_w, offset != 0.0, stats)  # fmt: skip
+                   residual, not self.has_w, offset != 0.0, stats, even_key(m))  # fmt: skip
             candidates = fwd_candidates(m, n)
+            if (self.device.type == "cuda" and cached_config(key) is None and len(candidates) > 1
+                    and not torch.cuda.is_current_stream_capturing()
+                    and args[3].nbytes <= SPARE_BYTES_MAX):  # fmt: skip
+                outputs.append(_spare_outputs(args, residual, stats))
             cfg = pick_config(key, candidates, launch)
             self.final = config_is_final(key, candidates)
-        bound = _rms_norm_fwd_kernel.bound((cdiv(m, cfg["BLOCK_M"]),), kwargs(cfg))
+        bound = fwd_kernel(cfg).bound((cdiv(m, cfg["BLOCK_M"]),), kwargs(cfg))
         if keep:
             self.launch = bound
         return bound
+
+
+# A larger output is timed in place: a spare would take memory a first step may not have, and
+# writing 5x the L2 (50 MB on an H200) leaves little of the previous output in it.
+SPARE_BYTES_MAX = 256 << 20
+
+
+def _spare_outputs(args: tuple, residual: bool, stats: bool) -> tuple:
+    """`args` of a forward launch with new y (and s, rstd) buffers of the same shapes.
+
+    Timed into a buffer it wrote a moment before, a kernel rewrites lines still dirty in L2; in
+    a model (and in a CUDA graph of many calls) each call writes a new buffer, and the previous
+    one's lines must be written back first. That cost is not the same for every geometry: at
+    4096 x 8192 on the H200 the two-pass kernel is ahead in the second setting and behind in
+    the first. Alternating two output sets times the kernels in the setting they run in.
+    """
+    spare = list(args)
+    spare[3] = y2 = torch.empty_like(args[3])
+    spare[4] = torch.empty_like(args[4]) if residual else y2
+    spare[5] = torch.empty_like(args[5]) if stats else y2
+    return tuple(spare)
 
 
 _FORWARD_PLANS = PlanCache()
