@@ -281,6 +281,7 @@ def test_forward_tuning_times_into_alternating_outputs(kt, monkeypatch):
     common = submodule(kt, "_common")
     mod = submodule(kt, "rms_norm")
     monkeypatch.setattr(common, "_CHOICES", {})
+    monkeypatch.setattr(mod, "_FORWARD_PLANS", common.PlanCache())  # no plan from an earlier test
     m, n = 1024, 8192
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 + 1

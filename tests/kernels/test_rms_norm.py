@@ -421,3 +421,31 @@ def test_an_even_pick_is_not_reused_for_rows_it_does_not_tile(kt, monkeypatch):
         assert block_m == {64: 64, 96: 32}[m]  # 64 would run rows 96-127 unmasked
         rstd = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
         assert_close(y, x.double() * rstd * w.double(), torch.float32, f"{m} rows")
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("case", ["llama", "gemma", "none-offset", "no-weight"])
+@pytest.mark.parametrize("shape, loop", [((6, 5000), 2048), ((4, 4096), 1024)], ids=str)
+def test_looped_forward_computes_what_the_whole_row_one_does(kt, case, residual, shape, loop):
+    """The two-pass looped forward (chunks; the last one partial at 5000 columns, unmasked at
+    4096) gives the whole-row kernel's s bit for bit, and its rstd and y up to the order of the
+    row sums: rstd within fp32 rounding, y differing in at most 1 % of the bf16 outputs, by one
+    bf16 step. A mode or rounding wired wrong differs in far more."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    numerics = {"llama": (0.0, mod.LLAMA), "gemma": (1.0, mod.GEMMA), "none-offset": (0.5, mod.NONE),
+                "no-weight": (0.0, mod.LLAMA)}[case]  # fmt: skip
+    x, r = torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16)
+    w = None if case == "no-weight" else torch.randn(shape[-1], dtype=torch.bfloat16)
+    looped = {"BLOCK_M": 1, "num_warps": 4, "LOOP": loop, "EVEN": shape[-1] % loop == 0}
+    whole = {"BLOCK_M": 1, "num_warps": 4}
+    with TritonLaunches(mod) as launches:
+        y, rstd, s = mod.forward(x, w, 1e-6, numerics, looped, residual=r if residual else None)
+    launches.assert_launched("_rms_norm_fwd_looped_kernel", LOOP=loop)
+    y0, rstd0, s0 = mod.forward(x, w, 1e-6, numerics, whole, residual=r if residual else None)
+    if residual:
+        assert torch.equal(s, s0)
+    torch.testing.assert_close(rstd, rstd0, rtol=2e-6, atol=0)
+    differ = y != y0
+    assert differ.float().mean() <= 0.01, f"{int(differ.sum())} of {y.numel()} outputs differ"
+    step = y0.float().abs().clamp_min(1e-30) * 2**-7  # one bf16 step at each value
+    assert ((y.float() - y0.float()).abs() <= step * 1.01).all()

@@ -666,7 +666,7 @@ class _ForwardPlan:
             candidates = fwd_candidates(m, n)
             if (self.device.type == "cuda" and cached_config(key) is None and len(candidates) > 1
                     and not torch.cuda.is_current_stream_capturing()
-                    and args[3].nbytes <= SPARE_BYTES_MAX):  # fmt: skip
+                    and args[3].nbytes * (2 if residual else 1) <= SPARE_BYTES_MAX):  # fmt: skip
                 outputs.append(_spare_outputs(args, residual, stats))
             cfg = pick_config(key, candidates, launch)
             self.final = config_is_final(key, candidates)
@@ -676,8 +676,9 @@ class _ForwardPlan:
         return bound
 
 
-# A larger output is timed in place: a spare would take memory a first step may not have, and
-# writing 5x the L2 (50 MB on an H200) leaves little of the previous output in it.
+# Larger outputs (y, and s with a residual) are timed in place: a spare would take memory a first
+# step may not have, and writing 5x the L2 (50 MB on an H200) leaves little of the previous
+# output in it.
 SPARE_BYTES_MAX = 256 << 20
 
 
