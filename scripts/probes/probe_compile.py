@@ -41,9 +41,10 @@ VARIANT = ROOT / "hub_kernels/kernels-lab/training/build/torch-universal"
 os.environ["LOCAL_KERNELS"] = f"kernels-lab/training={VARIANT}"
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests/kernels"))  # the live-storage probe
+sys.path.insert(0, str(ROOT / "tests/kernels"))  # the live-storage probe, the graph backend
 
 import torch  # noqa: E402
+from _graph_code import Counting  # noqa: E402
 from functorch.compile import make_boxed_func  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
@@ -85,17 +86,6 @@ class Recorder(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
-
-
-class Counting:
-    """A backend that counts the graphs Dynamo hands it and keeps their code; runs aot_eager."""
-
-    def __init__(self) -> None:
-        self.graphs: list[str] = []
-
-    def __call__(self, gm, inputs):
-        self.graphs.append(gm.code)
-        return aot_eager(gm, inputs)
 
 
 def portable(text: str) -> str:

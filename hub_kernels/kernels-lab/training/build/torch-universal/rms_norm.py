@@ -14,13 +14,14 @@ Without a weight, ``y = x̂`` (the offset is ignored, as in Liger) in the input 
 backward computes in fp32 in every mode; dW uses the x̂ the forward multiplied (rounded in llama
 and none modes). ``gemma=True`` is the legacy spelling of offset 1.0 in gemma mode.
 
-The forward holds whole rows of a block in registers, or (one of the geometries the tuner times
-at rows of 8192 columns or more) walks each row in chunks, twice. It keeps one fp32 rstd per row; a forward no gradient will follow (no_grad, or inputs
-that need none) neither stores nor allocates it, and records no autograd node. The backward
-needs x̂ = x·rstd: by default it keeps the input x; with ``save_output=True`` it keeps the output
-y instead and recovers x̂ = y / w (as apex's ``memory_efficient`` norms do). A model's linear
-layers save y anyway, so that mode stores nothing of its own but rstd; its price is that a
-weight entry of exactly zero makes that column's gradients NaN (loudly wrong, never silently).
+The forward holds whole rows of a block in registers, or (one of the geometries the tuner times at
+rows of 8192 columns or more) walks each row in chunks, twice. It keeps one fp32 rstd per row; a
+forward no gradient will follow (no_grad, or inputs that need none) neither stores nor allocates
+it, and records no autograd node. The backward needs x̂ = x·rstd: by default it keeps the input x;
+with ``save_output=True`` it keeps the output y instead and recovers x̂ = y / w (as apex's
+``memory_efficient`` norms do). A model's linear layers save y anyway, so that mode stores nothing
+of its own but rstd; its price is that a weight entry of exactly zero makes that column's gradients
+NaN (loudly wrong, never silently).
 
 The backward is persistent: each program walks a contiguous range of rows, writes dx, and keeps
 its share of dW in fp32 registers; a second small kernel sums the per-program partials, so dW is
@@ -94,13 +95,22 @@ def _forward_weight(W, cols, cmask, offset, HAS_OFFSET: tl.constexpr, EVEN: tl.c
 
 
 @triton.jit
-def _load_row_block(ptrs, mask, EVEN: tl.constexpr):
+def _load_row_block(ptrs, mask, EVEN: tl.constexpr, POLICY: tl.constexpr = ""):
     """A block of rows (zeros past the edges unless EVEN: then there are none)."""
     if EVEN:
-        block = tl.load(ptrs)
+        block = tl.load(ptrs, eviction_policy=POLICY)
     else:
-        block = tl.load(ptrs, mask=mask, other=0.0)
+        block = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
     return block
+
+
+@triton.jit
+def _store_row_block(ptrs, value, mask, EVEN: tl.constexpr, POLICY: tl.constexpr = ""):
+    """Stores a block of rows (inside the edges unless EVEN: then all of it is)."""
+    if EVEN:
+        tl.store(ptrs, value, eviction_policy=POLICY)
+    else:
+        tl.store(ptrs, value, mask=mask, eviction_policy=POLICY)
 
 
 @fast_launch
@@ -162,10 +172,7 @@ def _rms_norm_fwd_kernel(
         y = xhat
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if STATS:
-        if EVEN:
-            tl.store(RSTD + rows, rstd)
-        else:
-            tl.store(RSTD + rows, rstd, mask=rmask)
+        _store_row_block(RSTD + rows, rstd, rmask, EVEN)
 
 
 @fast_launch
@@ -186,20 +193,11 @@ def _rms_norm_fwd_looped_kernel(
     for c0 in tl.range(0, N, LOOP):
         cols = c0 + chunk
         cmask = cols < N
-        if EVEN:
-            x = tl.load(X + row * stride_x + cols, eviction_policy="evict_last")
-        else:
-            x = tl.load(
-                X + row * stride_x + cols, mask=cmask, other=0.0, eviction_policy="evict_last"
-            )
-        x = x.to(tl.float32)
+        x = _load_row_block(X + row * stride_x + cols, cmask, EVEN, "evict_last").to(tl.float32)
         if RESIDUAL:
             r = _load_row_block(R + row * stride_r + cols, cmask, EVEN).to(tl.float32)
             x = (x + r).to(S.dtype.element_ty)
-            if EVEN:
-                tl.store(S + row * stride_s + cols, x, eviction_policy="evict_last")
-            else:
-                tl.store(S + row * stride_s + cols, x, mask=cmask, eviction_policy="evict_last")
+            _store_row_block(S + row * stride_s + cols, x, cmask, EVEN, "evict_last")
             x = x.to(tl.float32)
         acc += x * x
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
@@ -213,10 +211,7 @@ def _rms_norm_fwd_looped_kernel(
             src = S + row * stride_s + cols
         else:
             src = X + row * stride_x + cols
-        if EVEN:
-            x = tl.load(src, eviction_policy="evict_first").to(tl.float32)
-        else:
-            x = tl.load(src, mask=cmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x = _load_row_block(src, cmask, EVEN, "evict_first").to(tl.float32)
         xhat = x * rstd
         if MODE != 1:
             xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
@@ -224,10 +219,7 @@ def _rms_norm_fwd_looped_kernel(
             y = xhat * _forward_weight(W, cols, cmask, offset, HAS_OFFSET, EVEN)
         else:
             y = xhat
-        if EVEN:
-            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty))
-        else:
-            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=cmask)
+        _store_row_block(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), cmask, EVEN)
     if STATS:
         tl.store(RSTD + row, rstd)
 
@@ -449,10 +441,11 @@ def _fwd_candidates(m_pow2: int, n: int) -> list[dict]:
                 if 1 <= warps <= 32 and option not in wide:
                     wide.append(option)
         if block_n >= 8192:  # two passes over chunks (see _rms_norm_fwd_looped_kernel)
-            # In CUDA graphs of 32 calls, each writing a new output, on the H200: the best of
-            # all geometries at 4096 x 8192 (16 warps, chunks of 4096: 0.994x Inductor's, every
-            # whole-row geometry 1.01-1.03x) and at 1024 x 8192 (8 warps, 2048: 0.961x). Chunks
-            # of 1024 and 2048 at 16 warps were never the best, nor unmasked versions of these.
+            # Forced, in CUDA graphs of 32 calls each writing a new output, on the H200: the
+            # best of ours at 1024 x 8192 (8 warps, chunks of 2048: 0.935-0.961x Inductor's in
+            # two runs) and at 4096 x 8192 (16 warps, 4096: 0.994x and 1.008x, every whole-row
+            # geometry 1.01-1.03x). Chunks of 1024, 2048 at 16 warps and unmasked versions of
+            # these were never the best.
             wide += [{"BLOCK_M": 1, "num_warps": 16, "LOOP": 4096},
                      {"BLOCK_M": 1, "num_warps": 8, "LOOP": 2048}]  # fmt: skip
         return wide
@@ -687,9 +680,10 @@ def _spare_outputs(args: tuple, residual: bool, stats: bool) -> tuple:
 
     Timed into a buffer it wrote a moment before, a kernel rewrites lines still dirty in L2; in
     a model (and in a CUDA graph of many calls) each call writes a new buffer, and the previous
-    one's lines must be written back first. That cost is not the same for every geometry: at
-    4096 x 8192 on the H200 the two-pass kernel is ahead in the second setting and behind in
-    the first. Alternating two output sets times the kernels in the setting they run in.
+    one's lines must be written back first. The two settings order the kernels differently: at
+    4096 x 8192 on the H200 every whole-row geometry ran 3-5 % ahead of Inductor's kernel in
+    the first and 2.5-4 % behind in the second (twelfth session: probe_norm_fwd_load_order_gpu.py
+    and probe_norm_fwd_chain_picks_gpu.py). Alternating two output sets times the kernels in the setting they run in.
     """
     spare = list(args)
     spare[3] = y2 = torch.empty_like(args[3])
