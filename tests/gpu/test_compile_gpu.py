@@ -203,6 +203,52 @@ def test_inductor_fuses_the_residual_add_into_the_norm(kt, shape, monkeypatch):
         )
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_inductor_scales_the_loss_heads_saved_gradients_in_place(kt, mode):
+    """Inductor with the kernels' post-grad pass (compile_grad_scale.py): the fused loss head's
+    backward scales its saved d(hidden) and d(weight) with scale_grad_ in place of a multiply
+    kernel, and the loss and gradients equal eager's bit for bit (one fp32 product rounded to
+    nearest in both), at grad_output 1 and 0.37, over steps that CUDA graphs replay."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h0 = torch.randn(1024, 512, device="cuda", generator=gen).bfloat16()
+    w0 = (0.05 * torch.randn(32000, 512, device="cuda", generator=gen)).bfloat16()
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    he, we = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+
+    def fn(h, w, t, s):
+        return kt.fused_linear_cross_entropy(h, w, t) * s
+
+    compiled = torch.compile(fn, mode=None if mode == "default" else mode)
+    for step, factor in enumerate((1.0, 0.37, 1.0, 0.37)):
+        t = torch.randint(0, 32000, (1024,), device="cuda", generator=gen)
+        s = torch.tensor(factor, device="cuda")
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+
+        def run(s=s, t=t):  # AOTAutograd compiles the backward at its first call
+            loss = compiled(h, w, t, s)
+            loss.backward()
+            return loss.detach().clone()
+
+        if step == 0:
+            loss, codes = run_and_get_code(run)
+            assert codes[-1].count("scale_grad_.default(") == 2, codes[-1]
+        else:
+            loss = run()
+        want = fn(he, we, t, s)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), rtol=0, atol=0, msg=f"step {step}")
+        for got, ref in ((h, he), (w, we)):
+            torch.testing.assert_close(got.grad, ref.grad, rtol=0, atol=0, msg=f"step {step}")
+            got.grad = ref.grad = None
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
 DEEP = """
 import sys, time
 import torch

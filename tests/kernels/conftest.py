@@ -72,3 +72,17 @@ def local_kernels(monkeypatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def inductor_slot_emptied():
+    """Inductor's post-grad custom pass slot empty and Dynamo's caches cleared for the test,
+    both restored after it (the tests of the kernels' compile passes)."""
+    from torch._inductor import config
+
+    saved = config.post_grad_custom_post_pass
+    config.post_grad_custom_post_pass = None
+    torch._dynamo.reset()
+    yield
+    config.post_grad_custom_post_pass = saved
+    torch._dynamo.reset()

@@ -2,9 +2,8 @@
 pairs it rewrites, which it leaves, that values stay what the unfused graph computes, and how it
 takes Inductor's post-grad pass slot.
 
-The pass runs on the graphs AOTAutograd hands a backend; here a backend applies the pass from
-Inductor's slot to them and runs them as they are (Inductor's own C++ build of the code around
-the ops takes minutes per graph on these CPUs; tests/gpu runs the real Inductor path).
+The pass runs on the graphs AOTAutograd hands a backend; here `Rewriting` applies the pass from
+Inductor's slot to them and runs them as they are (tests/gpu runs the real Inductor path).
 """
 
 from __future__ import annotations
@@ -15,50 +14,14 @@ import importlib
 import kernels
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
+from _graph_code import MARK, Rewriting
 from torch._dynamo.backends.debugging import aot_eager
 from torch._inductor import config as inductor_config
 
 from tests.class_marks import restored
 from tests.models.registry import causal_lm_class, tiny_config
 
-MARK = "kernels_training_rewriters"
-
-
-@pytest.fixture(autouse=True)
-def _slot_restored():
-    """Each test starts with Inductor's slot empty and Dynamo's caches cleared."""
-    saved = inductor_config.post_grad_custom_post_pass
-    inductor_config.post_grad_custom_post_pass = None
-    torch._dynamo.reset()
-    yield
-    inductor_config.post_grad_custom_post_pass = saved
-    torch._dynamo.reset()
-
-
-class Fusing:
-    """A backend: AOTAutograd's forward and backward graphs, each rewritten by the pass in
-    Inductor's slot (or left as they are with `fuse=False`), then run; their code is kept."""
-
-    def __init__(self, fuse: bool = True) -> None:
-        self.fuse = fuse
-        self.codes: list[str] = []
-        self.graphs: list[torch.fx.Graph] = []
-        self.backend = aot_autograd(fw_compiler=self._compile, bw_compiler=self._compile)
-
-    def _compile(self, gm, example_inputs):
-        if self.fuse:
-            pass_ = inductor_config.post_grad_custom_post_pass
-            assert getattr(pass_, MARK, None), "the norm's trace did not install the pass"
-            pass_(gm.graph)
-            gm.recompile()
-        self.codes.append(gm.code)
-        self.graphs.append(gm.graph)
-        return make_boxed_func(gm.forward)
-
-    def count(self, op: str) -> int:
-        return sum(code.count(f".{op}.default(") for code in self.codes)
+pytestmark = pytest.mark.usefixtures("inductor_slot_emptied")
 
 
 def _norm_and_sum(kt, a, b, w, c):
@@ -90,9 +53,9 @@ def test_the_sum_and_the_norm_fuse_forward_and_backward_with_the_unfused_values(
         # would differ from torch's add here, not on a GPU. The ops' torch formulas show
         # what the rewrite alone changes.
         request.getfixturevalue("torch_path")
-    fused = Fusing()
+    fused = Rewriting()
     got = _run(kt, _norm_and_sum, fused.backend, dtype)
-    want = _run(kt, _norm_and_sum, Fusing(fuse=False).backend, dtype)
+    want = _run(kt, _norm_and_sum, Rewriting(rewrite=False).backend, dtype)
     assert fused.count("add_rms_norm_fwd") == 1 and fused.count("rms_norm_fwd") == 0
     assert fused.count("add_rms_norm_bwd") == 1 and fused.count("rms_norm_bwd") == 0
     # forward: the same kernel math on the same once-rounded sum
@@ -101,7 +64,7 @@ def test_the_sum_and_the_norm_fuse_forward_and_backward_with_the_unfused_values(
     # backward: c is added to dx before dx's rounding instead of after. The fused gradient is
     # then within the dtype's rounding of the float64 one (at the gradient's scale: where dx
     # and c cancel, one step of dx is large against their sum); fp32 also to the unfused.
-    exact = _run(kt, _norm_and_sum, Fusing(fuse=False).backend, dtype, upcast=torch.float64)
+    exact = _run(kt, _norm_and_sum, Rewriting(rewrite=False).backend, dtype, upcast=torch.float64)
     step = torch.finfo(dtype).eps
     for g, r, e in zip(got[2:], want[2:], exact[2:], strict=True):
         torch.testing.assert_close(g.double(), e, rtol=step, atol=step * e.abs().max().item())
@@ -122,10 +85,10 @@ def _promoting_sum(kt, a, b, w, c):
 
 
 def test_broadcast_and_promoting_sums_are_left_alone(kt):
-    broadcast = Fusing()
+    broadcast = Rewriting()
     _run(kt, _broadcast_sum, broadcast.backend, torch.float32, b_shape=(32,))
     assert broadcast.count("rms_norm_fwd") == 1 and broadcast.count("add_rms_norm_fwd") == 0
-    promoting = Fusing()
+    promoting = Rewriting()
     _run(kt, _promoting_sum, promoting.backend, torch.bfloat16)
     assert promoting.count("rms_norm_fwd") == 1 and promoting.count("add_rms_norm_fwd") == 0
 
@@ -138,9 +101,9 @@ def test_a_norm_saving_its_output_is_fused_forward_only(kt):
         y = kt.rms_norm(s, w, 1e-6, save_output=True)
         return y, s, (y * c).sum() + (s * c).sum()
 
-    fused = Fusing()
+    fused = Rewriting()
     got = _run(kt, saving, fused.backend, torch.float32)
-    want = _run(kt, saving, Fusing(fuse=False).backend, torch.float32)
+    want = _run(kt, saving, Rewriting(rewrite=False).backend, torch.float32)
     assert fused.count("add_rms_norm_fwd") == 1
     assert fused.count("add_rms_norm_bwd") == 0 and fused.count("rms_norm_bwd") == 1
     for g, r in zip(got, want, strict=True):
@@ -163,7 +126,7 @@ def test_a_bound_llamas_residual_adds_fuse_and_its_step_matches_eager(
     eager = copy.deepcopy(model)
     kernels.apply_training_kernels(model)
     kernels.apply_training_kernels(eager)
-    fused = Fusing()
+    fused = Rewriting()
     ids = torch.randint(0, config.vocab_size, (2, 12))
     loss = torch.compile(model, backend=fused.backend, fullgraph=True)(
         input_ids=ids, labels=ids
@@ -175,6 +138,8 @@ def test_a_bound_llamas_residual_adds_fuse_and_its_step_matches_eager(
     # the residual stream's gradient with a norm's dx: one per such norm.
     assert fused.count("add_rms_norm_fwd") == 4 and fused.count("rms_norm_fwd") == 1
     assert fused.count("add_rms_norm_bwd") == 4 and fused.count("rms_norm_bwd") == 1
+    # The loss head's saved d(hidden) and d(weight) are scaled in place (compile_grad_scale.py).
+    assert fused.count("scale_grad_") == 2
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -234,7 +199,7 @@ def test_the_environment_turns_the_rewrite_off_and_changes_the_cache_key(kt, mon
     key = pass_.uuid()
     monkeypatch.setenv("KERNELS_COMPILE_FUSION", "0")
     assert pass_.uuid() != key  # a graph compiled fused is not served to an unfused compile
-    off = Fusing()
+    off = Rewriting()
     _run(kt, _norm_and_sum, off.backend, torch.float32)
     assert off.count("add_rms_norm_fwd") == 0 and off.count("rms_norm_fwd") == 1
     inductor_config.post_grad_custom_post_pass = None
@@ -276,7 +241,7 @@ def test_a_node_without_a_fake_value_is_not_rewritten(kt):
     """The fused op's fake outputs are computed from its inputs' fake values; where one is
     missing (here the weight's, in both graphs) the pair is left as it is."""
 
-    class Unvalued(Fusing):
+    class Unvalued(Rewriting):
         def _compile(self, gm, example_inputs):
             hidden = {}
             for node in gm.graph.nodes:
@@ -294,7 +259,7 @@ def test_a_node_without_a_fake_value_is_not_rewritten(kt):
 
     unvalued = Unvalued()
     got = _run(kt, _norm_and_sum, unvalued.backend, torch.float32)
-    want = _run(kt, _norm_and_sum, Fusing(fuse=False).backend, torch.float32)
+    want = _run(kt, _norm_and_sum, Rewriting(rewrite=False).backend, torch.float32)
     assert unvalued.count("add_rms_norm_fwd") == 0 and unvalued.count("rms_norm_fwd") == 1
     assert unvalued.count("add_rms_norm_bwd") == 0 and unvalued.count("rms_norm_bwd") == 1
     for g, r in zip(got, want, strict=True):
@@ -314,7 +279,7 @@ def test_an_inference_graph_runs_the_norms_without_stats(kt):
     w = (1 + 0.1 * torch.randn(32, generator=gen)).requires_grad_()
     stats = {}
     for grad in (False, True):
-        fused = Fusing()
+        fused = Rewriting()
         with torch.set_grad_enabled(grad):
             got = torch.compile(fn, backend=fused.backend, fullgraph=True)(a, b, w)
             want = fn(a, b, w)

@@ -15,16 +15,20 @@ Inductor compiles after AOTAutograd (its post-grad custom pass):
   one rounding (the separate ops round dx first), so g may differ in the last bit.
 
 Only same-shape, same-dtype, contiguous sums are rewritten (no broadcast or promotion), and
-only a dx read by nothing but the add. Inductor reads the pass from
-``torch._inductor.config.post_grad_custom_post_pass``; `install` puts it there when the slot
-is empty, or chains it after a pass already there that Inductor can cache (a
-``CustomGraphPass``). A plain callable in the slot is left alone: no fusion then.
-``KERNELS_COMPILE_FUSION=0`` in the environment turns the rewrite off for the compiles that
-follow (it is read by each compile, and is part of Inductor's cache key).
+only a dx read by nothing but the add.
+
+This module also holds the slot for the kernels' other rewriters (compile_grad_scale.py).
+Inductor reads its pass from ``torch._inductor.config.post_grad_custom_post_pass``; `install`
+puts one there when the slot is empty, or chains it after a pass already there that Inductor
+can cache (a ``CustomGraphPass``), and adds a rewriter to the pass. A plain callable in the slot
+is left alone: no rewrite then. ``KERNELS_COMPILE_FUSION=0`` in the environment turns every
+rewrite off for the compiles that follow (it is read by each compile, and is part of Inductor's
+cache key).
 """
 
 from __future__ import annotations
 
+import inspect
 import operator
 import os
 
@@ -176,10 +180,12 @@ def _args(node: fx.Node, op) -> list:
     return out
 
 
-def install() -> bool:
-    """Put the fusion pass in Inductor's post-grad custom pass slot (once per process and copy
-    of this module); False where a plain callable holds the slot (left alone) or
-    ``KERNELS_COMPILE_FUSION=0`` turns the fusion off."""
+def install(rewrite=None) -> bool:
+    """Put `rewrite` (default: the residual-add fusion) among the rewriters of the kernels' pass
+    in Inductor's post-grad custom pass slot (once per process, copy of this module and
+    rewriter); False where a plain callable holds the slot (left alone) or
+    ``KERNELS_COMPILE_FUSION=0`` turns the kernels' rewrites off."""
+    rewrite = fuse_residual_adds if rewrite is None else rewrite
     if not enabled():
         return False
     from torch._inductor import config
@@ -187,14 +193,14 @@ def install() -> bool:
     current = config.post_grad_custom_post_pass
     rewriters = getattr(current, MARK, None)
     if rewriters is not None:
-        if fuse_residual_adds not in rewriters:
-            rewriters.append(fuse_residual_adds)
+        if rewrite not in rewriters:
+            rewriters.append(rewrite)
         return True
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     if current is not None and not isinstance(current, CustomGraphPass):
         return False
-    config.post_grad_custom_post_pass = _pass_class()(current)
+    config.post_grad_custom_post_pass = _pass_class()(current, rewrite)
     return True
 
 
@@ -206,12 +212,12 @@ def enabled() -> bool:
 def _pass_class():
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    class ResidualAddFusion(CustomGraphPass):
+    class KernelsGraphPass(CustomGraphPass):
         """Runs the pass it replaced in the slot (if any), then every registered rewriter."""
 
-        def __init__(self, before) -> None:
+        def __init__(self, before, rewrite) -> None:
             self.before = before
-            setattr(self, MARK, [fuse_residual_adds])
+            setattr(self, MARK, [rewrite])
 
         def __call__(self, graph: fx.Graph) -> None:
             if self.before is not None:
@@ -221,10 +227,12 @@ def _pass_class():
                     rewrite(graph)
 
         def uuid(self):
-            # Inductor's cache key: this file's bytes (every copy is the same code), how many
-            # namespaces it rewrites, whether it is on, and the chained pass's own key.
+            # Inductor's cache key: the bytes of the files the rewriters come from (every copy
+            # of a file is the same code), how many rewriters there are, whether they are on,
+            # and the chained pass's own key.
             before = None if self.before is None else self.before.uuid()
-            mark = len(getattr(self, MARK))
-            return (get_hash_for_files((__file__,)), mark, enabled(), before)
+            rewriters = getattr(self, MARK)
+            files = tuple(sorted({inspect.getfile(r) for r in rewriters}))
+            return (get_hash_for_files(files), len(rewriters), enabled(), before)
 
-    return ResidualAddFusion
+    return KernelsGraphPass

@@ -1204,8 +1204,9 @@ def scale_rows_(grad: torch.Tensor, g: torch.Tensor) -> None:
         return
     per_row = g.numel() != 1
     g = g.detach().to(torch.float32).reshape(-1).contiguous()
-    if not use_triton(grad):
-        grad.mul_((g.view(-1, *[1] * (grad.dim() - 1)) if per_row else g).to(grad.dtype))
+    if not use_triton(grad):  # the kernel's numerics: an fp32 product, rounded once
+        factor = g.view(-1, *[1] * (grad.dim() - 1)) if per_row else g
+        grad.copy_((grad.float() * factor).to(grad.dtype))
         return
     assert grad.is_contiguous()
     launch, scalars = _scale_launch(grad.numel(), grad.shape[0], per_row, grad.device)
@@ -1468,6 +1469,10 @@ def ce_fwd(
 @ce_fwd.register_fake
 def _(logits, target, weight, num_items, ignore_index, label_smoothing, lse_square_scale,
       softcap, reduction, want_z, want_acc, want_pred, need_grad):  # fmt: skip
+    # Traced for a compile: the saved gradient's scaling runs in place (compile_grad_scale.py).
+    from . import compile_grad_scale
+
+    compile_grad_scale.install()
     n = logits.shape[0]
     f32 = dict(dtype=torch.float32)
     total = logits.new_empty((n,) if reduction == "none" else (), **f32)

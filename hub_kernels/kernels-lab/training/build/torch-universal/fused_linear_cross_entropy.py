@@ -377,6 +377,10 @@ def flce_fwd(
 def _(hidden, weight, bias, target, class_weight, num_items, ignore_index, label_smoothing,
       lse_square_scale, softcap, reduction, chunk_rows, accum_fp32, token_scaling, want_z,
       want_acc, want_pred, need_x, need_w, need_b):  # fmt: skip
+    # Traced for a compile: the saved gradients' scaling runs in place (compile_grad_scale.py).
+    from . import compile_grad_scale
+
+    compile_grad_scale.install()
     n = hidden.shape[0]
     f32 = dict(dtype=torch.float32)
     total = hidden.new_empty((n,) if reduction == "none" else (), **f32)

@@ -95,8 +95,10 @@ def _forward_weight(W, cols, cmask, offset, HAS_OFFSET: tl.constexpr, EVEN: tl.c
 
 
 @triton.jit
-def _load_row_block(ptrs, mask, EVEN: tl.constexpr, POLICY: tl.constexpr = ""):
-    """A block of rows (zeros past the edges unless EVEN: then there are none)."""
+def _load_row_block(ptrs, mask, EVEN: tl.constexpr, POLICY: tl.constexpr):
+    """A block of rows (zeros past the edges unless EVEN: then there are none). POLICY is an
+    eviction policy, "" for none: always passed, as Triton 3.6 hands a jit function's omitted
+    constexpr default on as a plain str and fails to compile the call."""
     if EVEN:
         block = tl.load(ptrs, eviction_policy=POLICY)
     else:
@@ -105,8 +107,9 @@ def _load_row_block(ptrs, mask, EVEN: tl.constexpr, POLICY: tl.constexpr = ""):
 
 
 @triton.jit
-def _store_row_block(ptrs, value, mask, EVEN: tl.constexpr, POLICY: tl.constexpr = ""):
-    """Stores a block of rows (inside the edges unless EVEN: then all of it is)."""
+def _store_row_block(ptrs, value, mask, EVEN: tl.constexpr, POLICY: tl.constexpr):
+    """Stores a block of rows (inside the edges unless EVEN: then all of it is); POLICY as
+    `_load_row_block`'s."""
     if EVEN:
         tl.store(ptrs, value, eviction_policy=POLICY)
     else:
@@ -139,7 +142,7 @@ def _rms_norm_fwd_kernel(
     else:
         mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    x = _load_row_block(X + r64 * stride_x + cols[None, :], mask, EVEN).to(tl.float32)
+    x = _load_row_block(X + r64 * stride_x + cols[None, :], mask, EVEN, "").to(tl.float32)
     # Rows of 1024 or more read the weight before the row sums, so its load overlaps x's
     # instead of waiting behind the sums' barrier: up to 8 % faster at those shapes on the
     # H200, in CUDA graphs (scripts/probes/probe_norm_fwd_load_order_gpu.py). At 128 it gained
@@ -149,7 +152,7 @@ def _rms_norm_fwd_kernel(
         if BLOCK_N >= 1024:
             w = _forward_weight(W, cols, cmask, offset, HAS_OFFSET, EVEN)
     if RESIDUAL:
-        r = _load_row_block(R + r64 * stride_r + cols[None, :], mask, EVEN).to(tl.float32)
+        r = _load_row_block(R + r64 * stride_r + cols[None, :], mask, EVEN, "").to(tl.float32)
         # One rounding of the exact fp32 sum: what torch's 16-bit add gives.
         x = (x + r).to(S.dtype.element_ty)
         tl.store(S + r64 * stride_s + cols[None, :], x, mask=mask)
@@ -172,7 +175,7 @@ def _rms_norm_fwd_kernel(
         y = xhat
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if STATS:
-        _store_row_block(RSTD + rows, rstd, rmask, EVEN)
+        _store_row_block(RSTD + rows, rstd, rmask, EVEN, "")
 
 
 @fast_launch
@@ -195,7 +198,7 @@ def _rms_norm_fwd_looped_kernel(
         cmask = cols < N
         x = _load_row_block(X + row * stride_x + cols, cmask, EVEN, "evict_last").to(tl.float32)
         if RESIDUAL:
-            r = _load_row_block(R + row * stride_r + cols, cmask, EVEN).to(tl.float32)
+            r = _load_row_block(R + row * stride_r + cols, cmask, EVEN, "").to(tl.float32)
             x = (x + r).to(S.dtype.element_ty)
             _store_row_block(S + row * stride_s + cols, x, cmask, EVEN, "evict_last")
             x = x.to(tl.float32)
@@ -219,7 +222,7 @@ def _rms_norm_fwd_looped_kernel(
             y = xhat * _forward_weight(W, cols, cmask, offset, HAS_OFFSET, EVEN)
         else:
             y = xhat
-        _store_row_block(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), cmask, EVEN)
+        _store_row_block(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), cmask, EVEN, "")
     if STATS:
         tl.store(RSTD + row, rstd)
 
