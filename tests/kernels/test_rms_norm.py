@@ -399,6 +399,22 @@ def test_even_forward_equals_the_masked_one_where_it_tiles(kt, mode):
     assert all(c["BLOCK_M"] == 1 for c in odd if c.get("EVEN"))
 
 
+def test_the_forward_candidates_measured_on_the_h200(kt):
+    """The lists follow the sixteenth session's chain measurements: rows of exactly 8192
+    columns get only the looped geometries (any row count), wider rows the whole-row ones too,
+    and rows of 128 columns 16 rows x 8 warps among theirs; a list holds no geometry twice."""
+    mod = sys.modules[kt.__name__ + ".rms_norm"]
+    for m in (1, 1024, 4096, 5000):
+        assert all(c.get("LOOP") for c in mod.fwd_candidates(m, 8192)), m
+    for n in (16384, 5120):  # wider, and a width rounded up to 8192 (not measured): both kinds
+        listed = mod.fwd_candidates(4096, n)
+        assert any(c.get("LOOP") for c in listed) and not all(c.get("LOOP") for c in listed), n
+    assert {"BLOCK_M": 16, "num_warps": 8} in mod.fwd_candidates(4096, 128)
+    for m, n in ((4096, 128), (4, 128), (3, 256), (4096, 8192), (7, 4096)):
+        listed = mod.fwd_candidates(m, n)
+        assert all(c not in listed[:i] for i, c in enumerate(listed)), (m, n)
+
+
 def test_an_even_pick_is_not_reused_for_rows_it_does_not_tile(kt, monkeypatch):
     """Picks are shared by row counts of one bit length; an EVEN pick made for 64 rows must not
     run unmasked over 96 (it would read and write past the rows)."""
