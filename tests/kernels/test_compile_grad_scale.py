@@ -13,6 +13,7 @@ torch's multiply hold only there and on the GPU.
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -35,14 +36,15 @@ def _linear_ce(kt, h, w, t, s):
 SAVED = {_flce: 2, _linear_ce: 1}
 
 
-def _step(kt, loss_fn, backend, dtype, factor):
-    """(loss, dh, dw) of loss_fn * factor on seeded inputs, compiled with `backend` (None: eager)."""
-    gen = torch.Generator().manual_seed(0)
-    h = torch.randn(24, 32, generator=gen).to(dtype).requires_grad_()
+def _step(kt, loss_fn, backend, dtype, factor, rows=24, compiled=None):
+    """(loss, dh, dw) of loss_fn * factor on inputs seeded by `rows`, compiled with `backend`
+    (None: eager), or run through `compiled`."""
+    gen = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 32, generator=gen).to(dtype).requires_grad_()
     w = (0.5 * torch.randn(80, 32, generator=gen)).to(dtype).requires_grad_()
-    t = torch.randint(0, 80, (24,), generator=gen)
+    t = torch.randint(0, 80, (rows,), generator=gen)
     t[3] = -100
-    fn = (
+    fn = compiled or (
         (lambda *a: loss_fn(kt, *a))
         if backend is None
         else torch.compile(lambda *a: loss_fn(kt, *a), backend=backend, fullgraph=True)
@@ -95,6 +97,29 @@ def test_inductor_scales_the_saved_gradients_in_place(kt, torch_path):
         assert backward.count("scale_grad_.default(") == 2, backward
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
+
+
+def test_inductor_with_symbolic_lengths(kt, torch_path):
+    """dynamic=True: the backward also takes the saved lengths (symbolic ints come first among
+    its inputs, and the donation record counts them); one graph serves three lengths."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(lambda *a: _flce(kt, *a), dynamic=True, fullgraph=True)
+    for rows in (24, 40, 56):
+        run = lambda r=rows: _step(kt, _flce, None, torch.bfloat16, 0.37, r, compiled)  # noqa: E731
+        if rows == 24:  # run_and_get_code resets Dynamo: only around the first call
+            got, codes = run_and_get_code(run)
+            counters.clear()
+            assert codes[-1].count("scale_grad_.default(") == 2, codes[-1]
+            # The lengths arrive as inputs (`s12 = primals_3`), before the saved gradients.
+            assert re.search(r"\bs\d+ = primals_", codes[-1]), "no symbolic length"
+        else:
+            got = run()
+        want = _step(kt, _flce, None, torch.bfloat16, 0.37, rows)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    assert counters["stats"]["unique_graphs"] == 0, "recompiled"
 
 
 # --- which chains: graphs made by make_fx, the donation record planted ------------------------
