@@ -18,6 +18,7 @@ import re
 import pytest
 import torch
 from _graph_code import Rewriting
+from torch._inductor import config as inductor_config
 from torch.fx.experimental.proxy_tensor import make_fx
 
 pytestmark = pytest.mark.usefixtures("inductor_slot_emptied")
@@ -165,6 +166,7 @@ CASES = {  # name: (function, saved, tangents, rewritten?)
     "bf16 factor": (_fp32_chain, torch.randn(6, 8), torch.tensor(0.37).bfloat16(), False),
     "strided gradient": (_bf16_chain, _bf16(8, 6).t(), torch.tensor(0.37), False),
     "another dtype out": (_other_dtype_out, _bf16(6, 8), torch.tensor(0.37), False),
+    "0-d gradient": (_fp32_chain, torch.tensor(1.5), torch.tensor(0.37), False),
 }
 
 
@@ -198,3 +200,57 @@ def test_a_graph_without_grad_outputs_or_donations_is_left_alone(kt, monkeypatch
     backward = make_fx(_bf16_chain, tracing_mode="fake")(_bf16(6, 8), torch.tensor(0.37))
     monkeypatch.setattr(inductor_utils, "get_donated_idxs", lambda: None)
     assert _rewrite(kt)(backward.graph) == 0
+
+
+def _module(kt):
+    return importlib.import_module(kt.__name__ + ".compile_grad_scale")
+
+
+def test_a_record_that_is_not_the_graphs_is_not_read(kt, monkeypatch):
+    """A donated index landing on a forward input or a grad_output, a view saved beside its
+    base, or CUDA graphs without trees (their warm-up would scale twice): nothing rewritten."""
+    import torch._inductor.utils as inductor_utils
+
+    def chain(primals_1, saved, tangents):
+        return primals_1 * 2, _bf16_chain(saved, tangents)
+
+    gm = make_fx(chain, tracing_mode="fake")(torch.randn(3), _bf16(6, 8), torch.tensor(0.37))
+    monkeypatch.setattr(inductor_utils, "get_donated_idxs", lambda: [0, 1])  # 0: primals_1
+    assert _rewrite(kt)(gm.graph) == 0
+    monkeypatch.setattr(inductor_utils, "get_donated_idxs", lambda: [1])
+    with inductor_config.patch({"triton.cudagraphs": True, "triton.cudagraph_trees": False}):
+        assert _rewrite(kt)(gm.graph) == 0
+    assert _rewrite(kt)(gm.graph) == 1  # the same graph, the record and config as they should be
+
+    base = _bf16(6, 8)
+    aliased = make_fx(lambda saved, view, tangents: (_bf16_chain(saved, tangents), view * 2),
+                      tracing_mode="fake")(base, base[:3], torch.tensor(0.37))  # fmt: skip
+    first, second = list(aliased.graph.find_nodes(op="placeholder"))[:2]
+    assert _module(kt)._storage(first) == _module(kt)._storage(second)  # the fakes share it
+    monkeypatch.setattr(inductor_utils, "get_donated_idxs", lambda: [0, 1])
+    assert _rewrite(kt)(aliased.graph) == 0
+
+
+def test_a_nested_regions_graphs_are_left_alone(kt, torch_path):
+    """Inductor passes a nested_compile_region's forward and backward graphs through the pass
+    first, inside the outer backward's context: the outer donation record must not be read on
+    them. Here it landed on the region's input s, a caller's tensor, and scaled it in place
+    (s 0.37 -> 5.55, a.grad wrong)."""
+
+    @torch.compiler.nested_compile_region
+    def region(a, s):
+        return a * s
+
+    def fn(h, w, t, a, a2, s):
+        return region(a, s) * 3 + region(a2, s) * 5 + kt.fused_linear_cross_entropy(h, w, t)
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(24, 32, generator=gen).bfloat16().requires_grad_()
+    w = (0.5 * torch.randn(80, 32, generator=gen)).bfloat16().requires_grad_()
+    t = torch.randint(0, 80, (24,), generator=gen)
+    a, a2 = torch.tensor([1.5], requires_grad=True), torch.tensor([-2.0], requires_grad=True)
+    s = torch.tensor([0.37])
+    torch.compile(fn, fullgraph=True)(h, w, t, a, a2, s).backward()
+    assert s.item() == torch.tensor(0.37).item()
+    torch.testing.assert_close(a.grad, 3 * s, rtol=0, atol=0)
+    torch.testing.assert_close(a2.grad, 5 * s, rtol=0, atol=0)

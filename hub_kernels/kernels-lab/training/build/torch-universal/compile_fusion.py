@@ -228,11 +228,13 @@ def _pass_class():
 
         def uuid(self):
             # Inductor's cache key: the bytes of the files the rewriters come from (every copy
-            # of a file is the same code), how many rewriters there are, whether they are on,
-            # and the chained pass's own key.
+            # of a file is the same code), the packages they belong to (the ops a rewrite puts
+            # in are named after the package: code cached with one must not load with another),
+            # whether they are on, and the chained pass's own key.
             before = None if self.before is None else self.before.uuid()
             rewriters = getattr(self, MARK)
             files = tuple(sorted({inspect.getfile(r) for r in rewriters}))
-            return (get_hash_for_files(files), len(rewriters), enabled(), before)
+            packages = tuple(sorted({r.__module__ for r in rewriters}))
+            return (get_hash_for_files(files), packages, enabled(), before)
 
     return KernelsGraphPass

@@ -11,10 +11,14 @@ where the graph copies it back), so this post-grad pass says it where it is safe
 
 - the saved gradient ``P`` is one of AOTAutograd's donated buffers for this backward: a saved
   tensor no forward input or output and no gradient aliases, which the backward reads once
-  (AOTAutograd refuses a ``retain_graph=True`` backward of such a graph before it runs);
+  (AOTAutograd refuses a ``retain_graph=True`` backward of such a graph before it runs), and
+  which shares its storage with no other input of the graph;
+- the graph is the top-level backward the donation record belongs to: not a forward, not the
+  graph of a higher-order op inside it (a nested_compile_region's), and not one that CUDA
+  graphs without trees would run twice on the same inputs (their warm-up);
 - ``P``'s only reader is the multiply, ``P * g`` (``g`` one fp32 element) or, for a 16-bit ``P``,
   ``(P.float() * g).to(P.dtype)``, each step read by nothing else;
-- ``P`` is contiguous.
+- ``P`` is contiguous and has at least one dimension.
 
 Such a chain becomes ``scale_grad_(P, g)`` and its readers read ``P``: the same values bit for
 bit (one fp32 product, rounded once), and no pass over ``P`` where ``g == 1``.
@@ -77,19 +81,51 @@ def scale_saved_grads_in_place(graph: fx.Graph) -> int:
 
 
 def _donated(graph: fx.Graph) -> list[fx.Node]:
-    """The placeholders of a backward graph that AOTAutograd donated (empty for any other)."""
+    """The placeholders of a top-level backward graph that AOTAutograd donated and that share
+    their storage with no other placeholder (empty for any other graph)."""
+    from torch._inductor import config
+
+    if config.triton.cudagraphs and not config.triton.cudagraph_trees:
+        # CUDA graphs without trees run a warm-up on the real inputs before they capture and
+        # replay: an in-place scale of an input would be applied twice.
+        return []
     placeholders = list(graph.find_nodes(op="placeholder"))
+    names = [str(p.target) for p in placeholders]
     # A backward graph takes grad_outputs, named tangents_N; a forward or inference graph takes
     # none. The donation record read below is the backward's, also present while the forward
-    # compiles: it must not be applied to a forward's placeholders.
-    if not any(str(p.target).startswith("tangents") for p in placeholders):
+    # compiles: it must not be applied to a forward's placeholders. Nor to the graphs of a
+    # higher-order op inside it (a nested_compile_region's backward), which Inductor passes
+    # first, in the same context: AOTAutograd numbers its tangents from 1, those from 0.
+    if not any(n.startswith("tangents") for n in names) or "tangents_0" in names:
         return []
     try:
         from torch._inductor.utils import get_donated_idxs
     except ImportError:  # a torch without donated buffers
         return []
     indices = get_donated_idxs() or ()
-    return [placeholders[i] for i in indices if i < len(placeholders)]
+    # A donated buffer is a forward intermediate: never an input (primals_N) of the forward nor
+    # a grad_output. An index landing on one means the record is another graph's: use none.
+    if any(i >= len(names) or names[i].startswith(("primals", "tangents")) for i in indices):
+        return []
+    storages = [_storage(p) for p in placeholders]
+    # AOTAutograd checks a donated buffer against the forward's inputs and outputs and the
+    # backward's outputs, not against the other saved tensors: a view saved beside its base
+    # would see an in-place scale. Only a storage no other placeholder holds is taken.
+    held = [st for st in storages if st is not None]
+    return [
+        placeholders[i] for i in indices if storages[i] is not None and held.count(storages[i]) == 1
+    ]
+
+
+def _storage(node: fx.Node):
+    """A handle of the node's fake tensor's storage (equal for tensors sharing one), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    value = _val(node)
+    try:
+        return None if value is None else StorageWeakRef(value.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (sparse, subclass)
+        return None
 
 
 def _val(node) -> torch.Tensor | None:
@@ -133,8 +169,8 @@ def _scaling_chain(saved: fx.Node) -> list[fx.Node] | None:
     """[step, ..., last step, g] of ``saved``'s scaling chain, or None where it has none.
     Detaches on the way are steps (graphs not decomposed by Inductor keep them)."""
     val = _val(saved)
-    if val is None or val.dtype not in _SCALED_DTYPES or not val.is_contiguous():
-        return None
+    if val is None or val.dtype not in _SCALED_DTYPES or not val.is_contiguous() or not val.dim():
+        return None  # scale_rows_ scales rows: a 0-d tensor has none
     steps, operand, first = [], saved, _only_user(saved)
     while first is not None and first.target is _DETACH:
         steps.append(first)
