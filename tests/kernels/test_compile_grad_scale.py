@@ -126,8 +126,12 @@ def test_inductor_with_symbolic_lengths(kt, torch_path):
 # --- which chains: graphs made by make_fx, the donation record planted ------------------------
 
 
+def _module(kt):
+    return importlib.import_module(kt.__name__ + ".compile_grad_scale")
+
+
 def _rewrite(kt):
-    return importlib.import_module(kt.__name__ + ".compile_grad_scale").scale_saved_grads_in_place
+    return _module(kt).scale_saved_grads_in_place
 
 
 def _bf16_chain(saved, tangents):
@@ -200,10 +204,6 @@ def test_a_graph_without_grad_outputs_or_donations_is_left_alone(kt, monkeypatch
     backward = make_fx(_bf16_chain, tracing_mode="fake")(_bf16(6, 8), torch.tensor(0.37))
     monkeypatch.setattr(inductor_utils, "get_donated_idxs", lambda: None)
     assert _rewrite(kt)(backward.graph) == 0
-
-
-def _module(kt):
-    return importlib.import_module(kt.__name__ + ".compile_grad_scale")
 
 
 def test_a_record_that_is_not_the_graphs_is_not_read(kt, monkeypatch):

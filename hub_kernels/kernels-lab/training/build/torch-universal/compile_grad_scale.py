@@ -31,6 +31,7 @@ from torch import fx
 
 from . import compile_fusion
 from ._common import op_name
+from .compile_fusion import _val
 from .cross_entropy import scale_rows_
 
 _MUL = torch.ops.aten.mul.Tensor
@@ -43,10 +44,7 @@ _SCALED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def scale_grad_(grad: torch.Tensor, g: torch.Tensor) -> None:
     """``grad *= g`` in place, the product in fp32 rounded once to grad's dtype (what the
     compiled multiply computes); nothing is written where ``g`` (one element) is exactly 1."""
-    if grad.is_contiguous():
-        scale_rows_(grad, g)  # reads g on the device: no sync
-    else:  # not rewritten into a graph (see _scaling_chain); a direct call
-        grad.copy_((grad.float() * g.float()).to(grad.dtype))
+    scale_rows_(grad, g)  # reads g on the device: no sync; the rewrite takes contiguous grads
 
 
 @scale_grad_.register_fake
@@ -126,11 +124,6 @@ def _storage(node: fx.Node):
         return None if value is None else StorageWeakRef(value.untyped_storage())
     except (NotImplementedError, RuntimeError):  # a tensor without storage (sparse, subclass)
         return None
-
-
-def _val(node) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
