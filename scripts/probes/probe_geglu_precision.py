@@ -12,6 +12,13 @@ reference). For the output, dx and each weight gradient it prints the max-abs er
 relative Frobenius error ||a - ref|| / ||ref|| of plain and of ours against float64, their
 ratio (ours / plain: <= 1 means ours is as close or closer), and whether plain and ours pass
 torch.allclose(atol = rtol = 1e-2) against each other (the check the issue saw fail).
+
+A fourth run, "composed", is ours with a no-op forward hook on each projection: `GeGLUMLP` then
+takes its composed path (the three nn.Linear calls eager makes, our fused gated product between
+them) instead of the one-function MLP (gate and up into one buffer, one weight-gradient matmul
+for both, d(x) accumulated by the matmul). The "differ" columns are the fraction of elements
+not bit-equal to plain's: they separate what the gated product's rounding does from what the
+matmuls' decomposition does.
 """
 
 from __future__ import annotations
@@ -76,6 +83,11 @@ def probe(shape, kt, device: str, seed: int = 0) -> list[dict]:
     ours = build_mlp(hidden, inter, torch.bfloat16, device)
     ours.load_state_dict(plain.state_dict())
     ours.forward = types.MethodType(kt.layers.GeGLUMLP.forward, ours)
+    composed = build_mlp(hidden, inter, torch.bfloat16, device)
+    composed.load_state_dict(plain.state_dict())
+    composed.forward = types.MethodType(kt.layers.GeGLUMLP.forward, composed)
+    for name in ("gate_proj", "up_proj", "down_proj"):  # hooks: the composed path
+        composed.get_submodule(name).register_forward_hook(lambda *_: None)
     ref = build_mlp(hidden, inter, torch.float64, device)
     ref.load_state_dict({k: v.double() for k, v in plain.state_dict().items()})
 
@@ -85,16 +97,24 @@ def probe(shape, kt, device: str, seed: int = 0) -> list[dict]:
     rp = run(plain, x, dy)
     del plain
     ro = run(ours, x, dy)
+    rc = run(composed, x, dy)
     rows = []
     for name in NAMES:
         p_max, p_rel = errors(rp[name], r64[name])
         o_max, o_rel = errors(ro[name], r64[name])
+        c_rel = errors(rc[name], r64[name])[1]
         rows.append({
             "shape": list(shape), "tensor": name,
             "plain_max_abs": p_max, "plain_rel_fro": p_rel,
             "ours_max_abs": o_max, "ours_rel_fro": o_rel,
             "ratio_rel_fro": o_rel / p_rel if p_rel else float("nan"),
             "allclose_1e-2": bool(torch.allclose(ro[name], rp[name], atol=1e-2, rtol=1e-2)),
+            "ours_differ": (ro[name] != rp[name]).float().mean().item(),
+            "composed_rel_fro": c_rel,
+            "composed_allclose_1e-2": bool(
+                torch.allclose(rc[name], rp[name], atol=1e-2, rtol=1e-2)
+            ),
+            "composed_differ": (rc[name] != rp[name]).float().mean().item(),
         })  # fmt: skip
     return rows
 
@@ -102,14 +122,17 @@ def probe(shape, kt, device: str, seed: int = 0) -> list[dict]:
 def table(rows: list[dict]) -> str:
     head = (
         f"{'shape (B, T, H, I)':<22} {'tensor':<17} {'plain max':>10} {'plain rel':>10} "
-        f"{'ours max':>10} {'ours rel':>10} {'ours/plain':>10} {'allclose':>8}"
+        f"{'ours max':>10} {'ours rel':>10} {'ours/plain':>10} {'allclose':>8} "
+        f"{'differ':>8} | {'composed rel':>12} {'allclose':>8} {'differ':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{str(tuple(r['shape'])):<22} {r['tensor']:<17} {r['plain_max_abs']:>10.3e} "
             f"{r['plain_rel_fro']:>10.3e} {r['ours_max_abs']:>10.3e} {r['ours_rel_fro']:>10.3e} "
-            f"{r['ratio_rel_fro']:>10.3f} {str(r['allclose_1e-2']):>8}"
+            f"{r['ratio_rel_fro']:>10.3f} {str(r['allclose_1e-2']):>8} {r['ours_differ']:>8.2e} | "
+            f"{r['composed_rel_fro']:>12.3e} {str(r['composed_allclose_1e-2']):>8} "
+            f"{r['composed_differ']:>8.2e}"
         )
     return "\n".join(lines)
 

@@ -59,6 +59,39 @@ def test_gated_forward_and_grads(kt, shape, dtype, act, layout):
     assert_close(b.grad, b64.grad, dtype, "db")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_torch_path_rounds_where_eager_rounds(kt, torch_path, dtype, act):
+    """On the torch path (CPU tensors without the interpreter) the product and both gradients
+    are eager's `act(a) * b` in the input dtype, bit for bit: d(act) = dc * b is rounded before
+    the activation's backward, as eager's multiply leaves it. (The Triton path makes the same
+    choice; tests/gpu checks it against eager on the GPU: the interpreter rounds to bf16 by
+    truncation, so it cannot.)"""
+    a = (2 * torch.randn(64, 1000)).to(dtype).requires_grad_()
+    b = torch.randn(64, 1000, dtype=dtype, requires_grad=True)
+    dc = torch.randn(64, 1000, dtype=dtype)
+    c = ours(kt, act, a, b)
+    da, db = torch.autograd.grad(c, (a, b), dc)
+    a2, b2 = a.detach().requires_grad_(), b.detach().requires_grad_()
+    f = torch.nn.functional
+    h = (
+        f.silu(a2)
+        if act == "silu"
+        else f.gelu(a2, approximate="tanh" if act == "gelu_tanh" else "none")
+    )
+    c2 = h * b2
+    da2, db2 = torch.autograd.grad(c2, (a2, b2), dc)
+    assert torch.equal(c, c2)
+    assert torch.equal(db, db2)
+    assert torch.equal(da, da2), f"{(da != da2).float().mean():.1%} of d(a) differ from eager's"
+    if act == "silu":  # the plain activation's backward too
+        x = a.detach().requires_grad_()
+        (dx,) = torch.autograd.grad(kt.silu(x), (x,), dc)
+        x2 = a.detach().requires_grad_()
+        (dx2,) = torch.autograd.grad(f.silu(x2), (x2,), dc)
+        assert torch.equal(dx, dx2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(7, 77), (3, 5000)], ids=str)
 def test_silu_forward_and_grad(kt, shape, dtype):
@@ -131,6 +164,31 @@ def test_mlp_layer_bound_on_hf_module(kt, kind, dtype):
     m64(x.double()).backward(dy.double())
     for name, p in mod.named_parameters():
         assert_close(p.grad, dict(m64.named_parameters())[name].grad, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["qwen3", "gemma"])
+def test_bound_mlp_is_eager_bit_for_bit_on_the_torch_path(kt, torch_path, kind, dtype):
+    """The bound MLP (one autograd function: gate and up in one buffer, one weight-gradient
+    matmul) returns eager's output and gradients exactly when its kernels take the torch path:
+    every rounding eager makes, it makes (d(x) too: two rounded products, then their sum)."""
+    ref, layer = _mlp(kind, dtype)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_()  # N(0, 1), as Liger's test: large, cancelling gradients
+    mod, _ = _mlp(kind, dtype)
+    mod.load_state_dict(ref.state_dict())
+    mod.forward = types.MethodType(getattr(kt.layers, layer).forward, mod)
+    x = torch.randn(3, 7, 48, dtype=dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y = ref(x1), mod(x2)
+    dy = torch.randn_like(y)
+    y_ref.backward(dy)
+    y.backward(dy)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(x2.grad, x1.grad), f"{(x2.grad != x1.grad).float().mean():.1%} of dx"
+    for name, p in mod.named_parameters():
+        assert torch.equal(p.grad, dict(ref.named_parameters())[name].grad), name
 
 
 def test_swiglu_mlp_rejects_other_activations(kt):

@@ -19,6 +19,10 @@ try:
     import triton.language as tl
 
     AVAILABLE = True
+    try:  # the device math library (CUDA's libdevice / ROCm's); Triton >= 3.0
+        from triton.language.extra import libdevice
+    except ImportError:
+        libdevice = None
 except ModuleNotFoundError as exc:
     if exc.name not in ("triton", "triton.language"):
         raise  # a Triton that is there but broken: its own error says more
@@ -83,5 +87,6 @@ if not AVAILABLE:
     triton.jit = _jit
     tl = _StandIn("triton.language")
     tl.constexpr = _Constexpr
+    libdevice = None
 
-__all__ = ["AVAILABLE", "HINT", "TritonMissing", "missing", "tl", "triton"]
+__all__ = ["AVAILABLE", "HINT", "TritonMissing", "libdevice", "missing", "tl", "triton"]

@@ -1,9 +1,13 @@
 """Gated activations act(a) * b (SwiGLU, GeGLU) and plain SiLU / ReLU², forward and backward.
 
-Numerics follow the HF MLP ``act_fn(gate) * up`` run in the input dtype: the activation is
-computed in fp32 and rounded to the input dtype, then multiplied by ``b`` in fp32 and rounded
-once. The backward recomputes the activation from the saved ``a`` and ``b``; no activation is
-stored. The kernels walk the tensors as flat ranges (rows with a stride when a or b is a column
+Numerics follow the HF MLP ``act_fn(gate) * up`` run in the input dtype, rounding where eager
+rounds: the activation is computed in fp32 and rounded to the input dtype, then multiplied by
+``b`` in fp32 and rounded once. The backward rounds d(act) = dc * b to the input dtype before the
+activation's derivative multiplies it, as eager's multiply backward does, and GELU (tanh) uses
+torch's formula and the device's tanh, so a GeGLU MLP's gradients are eager's rather than merely
+as close to exact (Liger's GeGLU test compares them at 1e-2 on N(0, 1) weights, where 1e5-sized
+weight gradients cancel). The backward recomputes the activation from the saved ``a`` and
+``b``; no activation is stored. The kernels walk the tensors as flat ranges (rows with a stride when a or b is a column
 slice, e.g. of a fused gate_up projection), so odd widths like 14336 waste no lanes.
 
 With ``in_place=True`` the backward writes d(a) over a and d(b) over b (as Liger's SwiGLU does),
@@ -32,12 +36,13 @@ from ._common import (
     fast_launch,
     flat,
     graph_is_freed,
+    interpreting,
     needs_grad,
     op_name,
     rows_stride,
     use_triton,
 )
-from ._triton import tl, triton
+from ._triton import libdevice, tl, triton
 
 SILU, GELU_TANH, GELU_ERF, RELU_SQUARED = 0, 1, 2, 3
 QUICK_GELU = 4  # x * sigmoid(1.702 x) (CLIP's and Qwen2-VL's vision towers)
@@ -52,6 +57,21 @@ _K = tl.constexpr(_SQRT_2_OVER_PI)
 _C = tl.constexpr(_GELU_C)
 _R2 = tl.constexpr(_INV_SQRT2)
 _R2PI = tl.constexpr(_INV_SQRT_2PI)
+# 3 * kappa as torch's kernel forms it: a product of two fp32 constants, rounded to fp32.
+_GELU_3C = float(torch.tensor(3.0) * torch.tensor(_GELU_C))
+_C3 = tl.constexpr(_GELU_3C)
+# torch's CUDA GELU calls the device's tanhf; Triton's interpreter has no libdevice, so there
+# tanh comes from exp (as accurate in fp32; only the CPU checks run it).
+_DEVICE_TANH = tl.constexpr(libdevice is not None and not interpreting())
+
+
+@triton.jit
+def _tanh(x):
+    if _DEVICE_TANH:
+        t = libdevice.tanh(x)
+    else:
+        t = 1.0 - 2.0 / (tl.exp(x * 2.0) + 1.0)
+    return t
 
 
 @triton.jit
@@ -60,9 +80,9 @@ def _act(a, ACT: tl.constexpr):
     if ACT == 0:
         y = a * tl.sigmoid(a)
     elif ACT == 1:
-        # 0.5 * a * (1 + tanh(u)) == a * sigmoid(2u)
-        u = _K * (a + _C * a * a * a)
-        y = a * tl.sigmoid(2.0 * u)
+        # torch's CUDA kernel, operation for operation, so the rounded activation is eager's.
+        # (A tensor leads each product: the interpreter keeps constexpr * tensor a constexpr.)
+        y = a * 0.5 * (1.0 + _tanh((a + (a * a * a) * _C) * _K))
     elif ACT == 2:
         y = 0.5 * a * (1.0 + tl.erf(a * _R2))
     elif ACT == 4:
@@ -83,10 +103,10 @@ def _act_grad(a, ACT: tl.constexpr):
         s = tl.sigmoid(a)
         g = s * (1.0 + a * (1.0 - s))
     elif ACT == 1:
-        u = _K * (a + _C * a * a * a)
-        s = tl.sigmoid(2.0 * u)
-        du = _K * (1.0 + 3.0 * _C * a * a)
-        g = s + 2.0 * a * s * (1.0 - s) * du
+        # torch's CUDA kernel, operation for operation (see _act)
+        a_sq = a * a
+        t = _tanh((a + (a_sq * a) * _C) * _K)
+        g = (t + 1.0) * 0.5 + (a * 0.5) * (1.0 - t * t) * ((a_sq * _C3 + 1.0) * _K)
     elif ACT == 2:
         g = 0.5 * (1.0 + tl.erf(a * _R2)) + a * _R2PI * tl.exp(-0.5 * a * a)
     elif ACT == 4:
@@ -136,7 +156,9 @@ def _glu_bwd_kernel(
     b = tl.load(B + _offsets(offs, N, stride_b, CONTIG), mask=mask, other=0.0).to(tl.float32)
     h = _act(a, ACT).to(A.dtype.element_ty).to(tl.float32)
     db = (dc * h).to(DB.dtype.element_ty)
-    da = (dc * b * _act_grad(a, ACT)).to(DA.dtype.element_ty)
+    # d(act) rounded to the input dtype first, as eager's multiply backward leaves it
+    d_act = (dc * b).to(A.dtype.element_ty).to(tl.float32)
+    da = (d_act * _act_grad(a, ACT)).to(DA.dtype.element_ty)
     tl.store(DB + _offsets(offs, N, stride_db, OUT_CONTIG), db, mask=mask)
     tl.store(DA + _offsets(offs, N, stride_da, OUT_CONTIG), da, mask=mask)
     if WRITE_C:
@@ -331,11 +353,26 @@ def _torch_act_grad(x: torch.Tensor, act: int) -> torch.Tensor:
         s = torch.sigmoid(1.702 * x)
         return s + 1.702 * x * s * (1.0 - s)
     if act == GELU_TANH:
-        t = torch.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x**3))
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (
-            1.0 + 3.0 * _GELU_C * x * x
+        x_sq = x * x
+        t = torch.tanh(_SQRT_2_OVER_PI * (x + _GELU_C * (x_sq * x)))
+        return 0.5 * (1.0 + t) + (0.5 * x) * (1.0 - t * t) * (
+            _SQRT_2_OVER_PI * (1.0 + _GELU_3C * x_sq)
         )
     return 0.5 * (1.0 + torch.erf(x * _INV_SQRT2)) + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
+
+
+def _torch_act_backward(dy: torch.Tensor, x: torch.Tensor, act: int) -> torch.Tensor:
+    """d(x) of act(x) for dy, in x's dtype: torch's own backward ops where eager has one (so
+    the CPU path is eager's bit for bit), else the fp32 derivative rounded once."""
+    if dy.dtype == x.dtype:
+        if act == SILU:
+            return torch.ops.aten.silu_backward(dy, x)
+        if act in (GELU_TANH, GELU_ERF):
+            approximate = "tanh" if act == GELU_TANH else "none"
+            return torch.ops.aten.gelu_backward(dy, x, approximate=approximate)
+        if act == RELU:
+            return torch.ops.aten.threshold_backward(dy, x, 0)
+    return (dy.float() * _torch_act_grad(x, act)).to(x.dtype)
 
 
 def _glu_forward_any(a, b, act):
@@ -348,7 +385,8 @@ def _glu_backward_any(dc, a, b, act, out=None, product=None):
     if use_triton(a):
         return glu_backward(dc, a, b, act, out=out, product=product)
     act_a = _torch_act(a, act)
-    da = (dc.float() * b.float() * _torch_act_grad(a, act)).to(a.dtype)
+    # d(act) rounded to the input dtype first, as eager's multiply backward leaves it
+    da = _torch_act_backward((dc.float() * b.float()).to(a.dtype), a, act)
     db = (dc.float() * act_a.float()).to(b.dtype)
     if product is not None:
         product.copy_(act_a * b)
@@ -387,7 +425,7 @@ def _act_backward_any(dy, x, act, out=None, product=None):
     element is read before it is written). `product`: optional tensor shaped like dy (it may be
     dy itself) that receives the forward's act(x) in the same pass. All contiguous."""
     if not use_triton(x):
-        dx = (dy.float() * _torch_act_grad(x, act)).to(x.dtype)
+        dx = _torch_act_backward(dy, x, act)
         if product is not None:
             product.copy_(_torch_act(x, act))
         if out is None:
