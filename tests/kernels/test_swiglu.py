@@ -59,6 +59,33 @@ def test_gated_forward_and_grads(kt, shape, dtype, act, layout):
     assert_close(b.grad, b64.grad, dtype, "db")
 
 
+def test_a_package_imported_with_the_interpreter_off_runs_under_it(kt, monkeypatch):
+    """The device-tanh choice is made per launch, not at import. Tests outside tests/kernels
+    import kernels with TRITON_INTERPRET=0 and Triton's own switch on (tests/conftest.py), and
+    the loader keeps a tree's module for the process: a GELU (tanh) kernel then run here, under
+    the interpreter, must not call the device's tanh (the interpreter's returns None: CI failed
+    so once). `kt` first: Triton itself is imported with the interpreter on, as in the suite."""
+    import triton
+    from conftest import load_variant
+
+    triton.knobs.runtime.interpret = True  # as tests/conftest.py leaves it, process-wide
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    late = load_variant()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a, b = gated_pair((5, 96), torch.float32, "contiguous")
+    c = ours(late, "gelu_tanh", a, b)
+    c.backward(dc := torch.randn_like(c))
+    a64, b64 = leaf64(a), leaf64(b)
+    (ref_act(a64, "gelu_tanh") * b64).backward(dc.double())
+    assert_close(c, (ref_act(a64, "gelu_tanh") * b64).detach(), torch.float32, "c")
+    assert_close(a.grad, a64.grad, torch.float32, "da")
+    x = a.detach().requires_grad_()
+    (dx,) = torch.autograd.grad(late.gelu_activation(x, late.swiglu.GELU_TANH), (x,), dc)
+    x64 = leaf64(x)
+    (dx64,) = torch.autograd.grad(ref_act(x64, "gelu_tanh"), (x64,), dc.double())
+    assert_close(dx, dx64, torch.float32, "dx")
+
+
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_torch_path_rounds_where_eager_rounds(kt, torch_path, dtype, act):

@@ -51,6 +51,7 @@ from .swiglu import (
     _glu_forward_any,
     _torch_act,
     _torch_act_grad,
+    device_tanh,
 )
 
 __all__ = ["CLAMPED_SWIGLU", "MoEExperts", "experts_supported", "moe_experts"]
@@ -107,7 +108,7 @@ def _gate_columns(cols, N, INTERLEAVED: tl.constexpr):
 @triton.jit
 def _gate_fwd_kernel(
     GU, BIAS, IDS, HOUT, S, N, E, alpha, limit,
-    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, DEV_TANH: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """HOUT[s] = gate(GU[s] + BIAS[e]); with a bias, the biased values are written back to GU
@@ -143,7 +144,7 @@ def _gate_fwd_kernel(
             u = tl.minimum(tl.maximum(b, -limit), limit)
             h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
         else:
-            h = _act(a, ACT).to(GU.dtype.element_ty).to(tl.float32) * b
+            h = _act(a, ACT, DEV_TANH).to(GU.dtype.element_ty).to(tl.float32) * b
         tl.store(HOUT + rows[:, None] * N + cols[None, :], h.to(HOUT.dtype.element_ty), mask=m)
 
 
@@ -151,7 +152,8 @@ def _gate_fwd_kernel(
 @triton.jit
 def _gate_bwd_kernel(
     G, GU, W, IDS, DGU, DW, S, N, E, alpha, limit,
-    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACT: tl.constexpr, DEV_TANH: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Per sorted pair s with routing weight w and g = d(out) @ W_down[e] (row s of G):
     d(gate_up)[s] from dh = w * g, DW[s] = <g, h> (d out / d w), and G[s] <- w * h, with h the
@@ -178,9 +180,9 @@ def _gate_bwd_kernel(
             da_factor = tl.where(a <= limit, (u + 1.0) * (sg + alpha * gc * sg * (1.0 - sg)), 0.0)
             db_factor = tl.where((b >= -limit) & (b <= limit), glu, 0.0)
         else:
-            act = _act(a, ACT).to(GU.dtype.element_ty).to(tl.float32)
+            act = _act(a, ACT, DEV_TANH).to(GU.dtype.element_ty).to(tl.float32)
             h = (act * b).to(GU.dtype.element_ty).to(tl.float32)
-            da_factor = b * _act_grad(a, ACT)
+            da_factor = b * _act_grad(a, ACT, DEV_TANH)
             db_factor = act
         acc += tl.sum(g * h, axis=1)
         dh = g * w[:, None]
@@ -257,8 +259,9 @@ def _gate_forward(gate_up, bias, ids_sorted, num_experts: int, gate) -> torch.Te
             block_r = max(1, min(16, 2048 // block_c))
             _gate_fwd_kernel[(cdiv(s, block_r),)](
                 gate_up, gate_up if bias is None else bias.contiguous(), ids_sorted, h, s, inter,
-                num_experts, float(alpha), float(limit), ACT=act, INTERLEAVED=interleaved,
-                HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+                num_experts, float(alpha), float(limit), ACT=act, DEV_TANH=device_tanh(),
+                INTERLEAVED=interleaved, HAS_BIAS=bias is not None, BLOCK_R=block_r,
+                BLOCK_C=block_c, num_warps=4,
             )  # fmt: skip
         return h
     if bias is not None:
@@ -279,8 +282,8 @@ def _gate_backward(g, gate_up, w_sorted, ids_sorted, num_experts: int, gate):
             block_r = max(1, min(16, 2048 // block_c))
             _gate_bwd_kernel[(cdiv(s, block_r),)](
                 g, gate_up, w_sorted, ids_sorted, d_gate_up, dw, s, inter, num_experts,
-                float(alpha), float(limit), ACT=act, INTERLEAVED=interleaved, BLOCK_R=block_r,
-                BLOCK_C=block_c, num_warps=4,
+                float(alpha), float(limit), ACT=act, DEV_TANH=device_tanh(),
+                INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
             )  # fmt: skip
         return d_gate_up, dw
     a, b = _split(gate_up, interleaved)

@@ -23,6 +23,7 @@ concatenate two half gradients into a new buffer either.
 """
 
 import functools
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -57,17 +58,30 @@ _K = tl.constexpr(_SQRT_2_OVER_PI)
 _C = tl.constexpr(_GELU_C)
 _R2 = tl.constexpr(_INV_SQRT2)
 _R2PI = tl.constexpr(_INV_SQRT_2PI)
-# 3 * kappa as torch's kernel forms it: a product of two fp32 constants, rounded to fp32.
-_GELU_3C = float(torch.tensor(3.0) * torch.tensor(_GELU_C))
+
+
+def _fp32(x: float) -> float:
+    """x rounded to the nearest fp32 (plain Python: the import may run under a meta device)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# 3 * kappa as torch's kernel forms it: a product of two fp32 constants, rounded to fp32 (the
+# double product of two fp32 values is exact, so one rounding gives the fp32 product).
+_GELU_3C = _fp32(3.0 * _fp32(_GELU_C))
 _C3 = tl.constexpr(_GELU_3C)
-# torch's CUDA GELU calls the device's tanhf; Triton's interpreter has no libdevice, so there
-# tanh comes from exp (as accurate in fp32; only the CPU checks run it).
-_DEVICE_TANH = tl.constexpr(libdevice is not None and not interpreting())
+
+
+def device_tanh() -> bool:
+    """The kernels' DEV_TANH, asked per launch: torch's CUDA GELU calls the device's tanhf, and
+    Triton's interpreter has no libdevice (its tanh returns None), so there tanh comes from exp
+    (as accurate in fp32; only the CPU checks run it). Asked at launch, not at import: a module
+    imported with the interpreter off may run with it on."""
+    return libdevice is not None and not interpreting()
 
 
 @triton.jit
-def _tanh(x):
-    if _DEVICE_TANH:
+def _tanh(x, DEV_TANH: tl.constexpr):
+    if DEV_TANH:
         t = libdevice.tanh(x)
     else:
         t = 1.0 - 2.0 / (tl.exp(x * 2.0) + 1.0)
@@ -75,14 +89,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _act(a, ACT: tl.constexpr):
+def _act(a, ACT: tl.constexpr, DEV_TANH: tl.constexpr):
     """act(a) for fp32 a."""
     if ACT == 0:
         y = a * tl.sigmoid(a)
     elif ACT == 1:
         # torch's CUDA kernel, operation for operation, so the rounded activation is eager's.
         # (A tensor leads each product: the interpreter keeps constexpr * tensor a constexpr.)
-        y = a * 0.5 * (1.0 + _tanh((a + (a * a * a) * _C) * _K))
+        y = a * 0.5 * (1.0 + _tanh((a + (a * a * a) * _C) * _K, DEV_TANH))
     elif ACT == 2:
         y = 0.5 * a * (1.0 + tl.erf(a * _R2))
     elif ACT == 4:
@@ -97,7 +111,7 @@ def _act(a, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_grad(a, ACT: tl.constexpr):
+def _act_grad(a, ACT: tl.constexpr, DEV_TANH: tl.constexpr):
     """d act(a) / da for fp32 a."""
     if ACT == 0:
         s = tl.sigmoid(a)
@@ -105,7 +119,7 @@ def _act_grad(a, ACT: tl.constexpr):
     elif ACT == 1:
         # torch's CUDA kernel, operation for operation (see _act)
         a_sq = a * a
-        t = _tanh((a + (a_sq * a) * _C) * _K)
+        t = _tanh((a + (a_sq * a) * _C) * _K, DEV_TANH)
         g = (t + 1.0) * 0.5 + (a * 0.5) * (1.0 - t * t) * ((a_sq * _C3 + 1.0) * _K)
     elif ACT == 2:
         g = 0.5 * (1.0 + tl.erf(a * _R2)) + a * _R2PI * tl.exp(-0.5 * a * a)
@@ -132,13 +146,13 @@ def _offsets(offs, N, stride, CONTIG: tl.constexpr):
 @triton.jit
 def _glu_fwd_kernel(
     A, B, C, numel, N, stride_a, stride_b,
-    ACT: tl.constexpr, CONTIG: tl.constexpr, BLOCK: tl.constexpr,
+    ACT: tl.constexpr, DEV_TANH: tl.constexpr, CONTIG: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     a = tl.load(A + _offsets(offs, N, stride_a, CONTIG), mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + _offsets(offs, N, stride_b, CONTIG), mask=mask, other=0.0).to(tl.float32)
-    h = _act(a, ACT).to(A.dtype.element_ty).to(tl.float32)
+    h = _act(a, ACT, DEV_TANH).to(A.dtype.element_ty).to(tl.float32)
     tl.store(C + offs, (h * b).to(C.dtype.element_ty), mask=mask)
 
 
@@ -146,19 +160,19 @@ def _glu_fwd_kernel(
 @triton.jit
 def _glu_bwd_kernel(
     DC, A, B, DA, DB, C, numel, N, stride_a, stride_b, stride_da, stride_db,
-    ACT: tl.constexpr, CONTIG: tl.constexpr, OUT_CONTIG: tl.constexpr, WRITE_C: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ACT: tl.constexpr, DEV_TANH: tl.constexpr, CONTIG: tl.constexpr, OUT_CONTIG: tl.constexpr,
+    WRITE_C: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     dc = tl.load(DC + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + _offsets(offs, N, stride_a, CONTIG), mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + _offsets(offs, N, stride_b, CONTIG), mask=mask, other=0.0).to(tl.float32)
-    h = _act(a, ACT).to(A.dtype.element_ty).to(tl.float32)
+    h = _act(a, ACT, DEV_TANH).to(A.dtype.element_ty).to(tl.float32)
     db = (dc * h).to(DB.dtype.element_ty)
     # d(act) rounded to the input dtype first, as eager's multiply backward leaves it
     d_act = (dc * b).to(A.dtype.element_ty).to(tl.float32)
-    da = (d_act * _act_grad(a, ACT)).to(DA.dtype.element_ty)
+    da = (d_act * _act_grad(a, ACT, DEV_TANH)).to(DA.dtype.element_ty)
     tl.store(DB + _offsets(offs, N, stride_db, OUT_CONTIG), db, mask=mask)
     tl.store(DA + _offsets(offs, N, stride_da, OUT_CONTIG), da, mask=mask)
     if WRITE_C:
@@ -168,27 +182,28 @@ def _glu_bwd_kernel(
 
 @fast_launch
 @triton.jit
-def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_fwd_kernel(X, Y, numel, ACT: tl.constexpr, DEV_TANH: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs, _act(x, ACT).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, _act(x, ACT, DEV_TANH).to(Y.dtype.element_ty), mask=mask)
 
 
 @fast_launch
 @triton.jit
 def _act_bwd_kernel(
-    DY, X, DX, Y, numel, ACT: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK: tl.constexpr
-):
+    DY, X, DX, Y, numel,
+    ACT: tl.constexpr, DEV_TANH: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + offs, (dy * _act_grad(x, ACT)).to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + offs, (dy * _act_grad(x, ACT, DEV_TANH)).to(DX.dtype.element_ty), mask=mask)
     if WRITE_Y:
         # The forward's act(x) again, element for element after dy and x were read (Y may be
         # DY, DX may be X).
-        tl.store(Y + offs, _act(x, ACT).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs, _act(x, ACT, DEV_TANH).to(Y.dtype.element_ty), mask=mask)
 
 
 def elementwise_config(numel: int) -> dict:
@@ -233,6 +248,7 @@ class _GLUForwardPlan:
                 (cdiv(numel, cfg["BLOCK"]),),
                 {
                     "ACT": act,
+                    "DEV_TANH": device_tanh(),
                     "CONTIG": contig,
                     "BLOCK": cfg["BLOCK"],
                     "num_warps": cfg["num_warps"],
@@ -299,7 +315,7 @@ class _GLUBackwardPlan:
             cfg = cfg or elementwise_config(numel)
             self.launch = _glu_bwd_kernel.bound(
                 (cdiv(numel, cfg["BLOCK"]),),
-                {"ACT": act, "CONTIG": contig, "OUT_CONTIG": out_contig,
+                {"ACT": act, "DEV_TANH": device_tanh(), "CONTIG": contig, "OUT_CONTIG": out_contig,
                  "WRITE_C": product is not None, "BLOCK": cfg["BLOCK"],
                  "num_warps": cfg["num_warps"]},
             )  # fmt: skip
@@ -403,16 +419,17 @@ def _act_forward_any(x, act):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     numel = y.numel()
     if numel:
-        _act_launch(numel, act, None)(flat(x), y, numel)
+        _act_launch(numel, act, None, device_tanh())(flat(x), y, numel)
     return y
 
 
 @functools.lru_cache(maxsize=256)  # asked per call; a BoundLaunch is shared, never mutated
-def _act_launch(numel: int, act: int, write_y: bool | None):
+def _act_launch(numel: int, act: int, write_y: bool | None, dev_tanh: bool):
     """The bound launch of the activation's forward (`write_y` None) or backward kernel over
-    `numel` elements: everything but the tensors and numel is fixed by these three."""
+    `numel` elements: everything but the tensors and numel is fixed by these four."""
     cfg = elementwise_config(numel)
-    grid, kwargs = (cdiv(numel, cfg["BLOCK"]),), {"ACT": act, "BLOCK": cfg["BLOCK"]}
+    grid = (cdiv(numel, cfg["BLOCK"]),)
+    kwargs = {"ACT": act, "DEV_TANH": dev_tanh, "BLOCK": cfg["BLOCK"]}
     if write_y is None:
         return _act_fwd_kernel.bound(grid, {**kwargs, "num_warps": cfg["num_warps"]})
     return _act_bwd_kernel.bound(
@@ -435,7 +452,7 @@ def _act_backward_any(dy, x, act, out=None, product=None):
     numel = dx.numel()
     if numel:
         dy1 = flat(dy)
-        _act_launch(numel, act, product is not None)(
+        _act_launch(numel, act, product is not None, device_tanh())(
             dy1, flat(x), dx, dy1 if product is None else product, numel
         )
     return dx
