@@ -8,6 +8,8 @@ import pytest
 import torch
 from _training_refs import DTYPES, assert_close, gelu64, leaf64, silu64
 
+from tests.gpu.variant import load_variant as load_by_path
+
 SHAPES = [(7, 77), (37, 1000), (1, 64), (3, 5000), (2, 3, 96)]
 ACTS = ["silu", "gelu_tanh", "gelu"]
 
@@ -66,11 +68,10 @@ def test_a_package_imported_with_the_interpreter_off_runs_under_it(kt, monkeypat
     the interpreter, must not call the device's tanh (the interpreter's returns None: CI failed
     so once). `kt` first: Triton itself is imported with the interpreter on, as in the suite."""
     import triton
-    from conftest import load_variant
 
     triton.knobs.runtime.interpret = True  # as tests/conftest.py leaves it, process-wide
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    late = load_variant()
+    late = load_by_path("_kernels_training_imported_off")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     a, b = gated_pair((5, 96), torch.float32, "contiguous")
     c = ours(late, "gelu_tanh", a, b)
