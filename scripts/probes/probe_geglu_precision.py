@@ -16,7 +16,7 @@ torch.allclose(atol = rtol = 1e-2) against each other (the check the issue saw f
 A fourth run, "composed", is ours with a no-op forward hook on each projection: `GeGLUMLP` then
 takes its composed path (the three nn.Linear calls eager makes, our fused gated product between
 them) instead of the one-function MLP (gate and up into one buffer, one weight-gradient matmul
-for both, d(x) accumulated by the matmul). The "differ" columns are the fraction of elements
+for both, d(x) as two rounded products added, as eager's two Linears). The "differ" columns are the fraction of elements
 not bit-equal to plain's: they separate what the gated product's rounding does from what the
 matmuls' decomposition does.
 """

@@ -7,8 +7,9 @@ activation's derivative multiplies it, as eager's multiply backward does, and GE
 torch's formula and the device's tanh, so a GeGLU MLP's gradients are eager's rather than merely
 as close to exact (Liger's GeGLU test compares them at 1e-2 on N(0, 1) weights, where 1e5-sized
 weight gradients cancel). The backward recomputes the activation from the saved ``a`` and
-``b``; no activation is stored. The kernels walk the tensors as flat ranges (rows with a stride when a or b is a column
-slice, e.g. of a fused gate_up projection), so odd widths like 14336 waste no lanes.
+``b``; no activation is stored. The kernels walk the tensors as flat ranges (rows with a stride
+when a or b is a column slice, e.g. of a fused gate_up projection), so odd widths like 14336
+waste no lanes.
 
 With ``in_place=True`` the backward writes d(a) over a and d(b) over b (as Liger's SwiGLU does),
 so it allocates no gradient buffers: a and b hold their gradients afterwards. Their version
