@@ -137,8 +137,10 @@ class Watchdog:
 
 
 # faulthandler's dump: "Current thread 0x... (most recent call first):" or "Thread 0x... (...)",
-# then '  File "path", line N in func' lines, innermost first.
-_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
+# then '  File "path", line N in func' lines, innermost first. The header is searched, not
+# matched: the signal may come while the child has half a line on stderr (a progress bar
+# redrawn with "\r"), and the header then ends that line.
+_THREAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 
 
@@ -148,7 +150,7 @@ def stack_from_dump(lines: list[str], frames: int = 3) -> str:
     thread, so "Current thread" need not be the main one); empty if there is no dump."""
     blocks: list[list[tuple[str, str]]] = []
     for line in lines:
-        if _THREAD.match(line):
+        if _THREAD.search(line):
             blocks.append([])
             continue
         m = _FRAME.match(line)
@@ -185,6 +187,7 @@ class Child:
         self.tail: collections.deque[str] = collections.deque(maxlen=keep)
         self._dump: list[str] = []
         self._collect_dump = False
+        self.state_at_kill = ""  # set by kill() when the child gave no stack
         self._readers = [
             threading.Thread(target=self._read, args=(self.proc.stdout, on_stdout), daemon=True),
             threading.Thread(target=self._read, args=(self.proc.stderr, on_stderr), daemon=True),
@@ -219,6 +222,23 @@ class Child:
         self._join(10.0)
         return code
 
+    def _await_frame(self, seconds: float) -> bool:
+        """Whether a frame line of a dump came within `seconds`."""
+        end = time.monotonic() + seconds
+        while not any(_FRAME.match(x) for x in self._dump):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def _await_quiet(self, seconds: float) -> None:
+        """Return once no dump line came for `seconds` (at most 10 s in all)."""
+        end = time.monotonic() + 10
+        seen = -1
+        while seen != len(self._dump) and time.monotonic() < end:
+            seen = len(self._dump)
+            time.sleep(seconds)
+
     def _join(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         for t in self._readers:
@@ -226,17 +246,23 @@ class Child:
 
     def kill(self, dump_wait_s: float = 5.0) -> str:
         """Ask the child for its stack (SIGUSR1), kill its process group, and return the
-        innermost frames of the dump ("" when the child gave none in `dump_wait_s`)."""
+        innermost frames of the dump ("" when the child gave none in `dump_wait_s`; then
+        `state_at_kill` holds its scheduler state, "D (disk sleep)" say, where Linux tells)."""
         self._collect_dump = True
-        if self.proc.poll() is None and hasattr(signal, "SIGUSR1"):
-            try:
-                self.proc.send_signal(signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-            end = time.monotonic() + dump_wait_s
-            while time.monotonic() < end and not any(_FRAME.match(x) for x in self._dump):
-                time.sleep(0.1)
-            time.sleep(0.5)  # faulthandler writes the dump in one go: let the rest arrive
+        self.state_at_kill = ""
+        if self.proc.poll() is None and hasattr(signal, "SIGUSR1") and dump_wait_s > 0:
+            # a second signal if the first brought no frame: once seen, a CI run's child gave
+            # no dump to one SIGUSR1 in 5 s, and the cause could not be reproduced
+            for wait_s in (dump_wait_s / 2, dump_wait_s / 2):
+                try:
+                    self.proc.send_signal(signal.SIGUSR1)
+                except ProcessLookupError:
+                    break
+                if self._await_frame(wait_s):
+                    break
+            self._await_quiet(0.5)  # faulthandler writes the dump in one go: let the rest arrive
+            if not any(_FRAME.match(x) for x in self._dump):
+                self.state_at_kill = _proc_state(self.proc.pid) or "unknown"
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -247,3 +273,16 @@ class Child:
             pass
         self._join(5.0)  # bounded: a grandchild outside the group may hold the pipes
         return stack_from_dump(list(self._dump))
+
+
+def _proc_state(pid: int) -> str:
+    """The State line of /proc/<pid>/status ("R (running)", "D (disk sleep)"...); "" where
+    there is none."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

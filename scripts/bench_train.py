@@ -741,7 +741,12 @@ def run_setup(setup: str, cmd: list[str], env: dict, timeout_s: float | None) ->
         stack = proc.kill()
         last = progress[-1].split(": ", 1)[-1] if progress else "no progress line yet"
         reason = f"killed after {timeout_s:.0f} s (last progress: {last})"
-        return {"setup": setup, "error": reason + (f"; stuck at {stack}" if stack else "")}
+        where = (
+            f"; stuck at {stack}"
+            if stack
+            else f"; no stack dump (process state: {proc.state_at_kill})"
+        )
+        return {"setup": setup, "error": reason + where}
     if not result:
         print("\n".join(proc.tail), file=sys.stderr)
         lines = [x for x in proc.tail if x.strip() and not x.startswith(PROGRESS)]

@@ -240,7 +240,8 @@ def sweep(
                 stack = child.kill()
                 outcome = Outcome(model_type, "skipped", reason=(
                     f"killed after {hard:.0f} s (over the per-type limit of {limit_s} s)"
-                    + (f", stuck at {stack}" if stack else "")))  # fmt: skip
+                    + (f", stuck at {stack}" if stack else
+                       f", no stack dump (process state: {child.state_at_kill})")))  # fmt: skip
                 child = None
             record(index, outcome, worker_no)
         if child is not None:

@@ -94,3 +94,63 @@ def test_the_dump_is_read_from_the_main_thread_whichever_thread_handled_the_sign
         " < scripts/bench_train.py:380 child"
     )
     assert bench_supervise.stack_from_dump(["no dump here"]) == ""
+
+
+def test_a_header_that_ends_a_half_written_line_still_starts_the_dump():
+    """The signal can come while the child has half a line on stderr (a progress bar redrawn
+    with a carriage return): the header then ends that line, and the dump must still parse."""
+    dump = [
+        "Loading weights:  45%|####5     | 9/20 Current thread 0x00007f00 (most recent call first):",
+        '  File "/w/scripts/sweep_models.py", line 88 in run_type',
+        '  File "/w/scripts/sweep_models.py", line 131 in worker',
+        '  File "/w/scripts/sweep_models.py", line 540 in <module>',
+    ]
+    assert bench_supervise.stack_from_dump(dump) == (
+        "scripts/sweep_models.py:88 run_type < scripts/sweep_models.py:131 worker"
+        " < scripts/sweep_models.py:540 <module>"
+    )
+    assert bench_supervise.stack_from_dump(["Thread 0x00007f00 is not a header"]) == ""
+
+
+# A child whose first SIGUSR1 only installs faulthandler's dumper: it answers the second one.
+DEAF_TO_THE_FIRST_SIGNAL = """
+import faulthandler, signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: faulthandler.register(signal.SIGUSR1, all_threads=True))
+print("ready", flush=True)
+
+def waiting_for_the_second_signal():
+    while True:
+        time.sleep(0.05)
+
+waiting_for_the_second_signal()
+"""
+
+
+def test_a_child_that_gives_no_dump_to_the_first_signal_is_asked_again():
+    ready = threading.Event()
+    child = bench_supervise.Child(
+        [sys.executable, "-c", DEAF_TO_THE_FIRST_SIGNAL],
+        on_stdout=lambda line: line == "ready" and ready.set(),
+    )
+    assert ready.wait(60), list(child.tail)
+    stack = child.kill(dump_wait_s=4.0)
+    assert stack.startswith("<string>:"), (stack, list(child.tail))
+    assert "waiting_for_the_second_signal" in stack
+    assert child.state_at_kill == ""
+    assert child.proc.returncode == -signal.SIGKILL
+
+
+def test_a_child_that_never_dumps_is_killed_and_its_state_is_said():
+    ready = threading.Event()
+    child = bench_supervise.Child(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN);"
+         " print('ready', flush=True); time.sleep(300)"],
+        on_stdout=lambda line: line == "ready" and ready.set(),
+    )  # fmt: skip
+    assert ready.wait(60), list(child.tail)
+    t0 = time.monotonic()
+    assert child.kill(dump_wait_s=1.0) == ""
+    assert time.monotonic() - t0 < 15
+    assert child.proc.returncode == -signal.SIGKILL
+    if Path("/proc/self/status").exists():
+        assert child.state_at_kill.startswith("S"), child.state_at_kill  # sleeping in time.sleep
