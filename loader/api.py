@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -134,7 +135,7 @@ def _verify_installed(cache: Cache, manifest: Manifest, what: str, *, repair: bo
 def _run(
     cache: Cache,
     spec: KernelSpec,
-    system: SystemInfo,
+    system: SystemInfo | Callable[[], SystemInfo],
     trust_remote_code: TrustArg,
     *,
     network: bool,
@@ -149,7 +150,8 @@ def _run(
     cannot answer (or OfflineCacheMiss when `offline`). A repo whose kernel-status.toml
     redirects is replaced by its destination (`hops` counts the redirects followed), unless
     `on_redirect(repo_id, commit, redirect)` returns False (load the repo's own files) or
-    raises (a locked load: locked.py)."""
+    raises (a locked load: locked.py). `system` may be a function, called only once a variant
+    is chosen."""
     assert spec.repo_id is not None
     repo_id = spec.repo_id
     ttl = settings.resolve_ttl()
@@ -223,6 +225,8 @@ def _run(
         if offline:
             raise
         raise _NeedNetwork from None
+    if callable(system):
+        system = system()
     trace = select_variants(listing.variants, system)
     accepted = [e.variant for e in trace if isinstance(e, VariantAccepted)]
     skipped_uncached = []
@@ -334,7 +338,11 @@ def _ensure_installed(
     on_redirect=None,
 ) -> Installed:
     cache = _cache()
-    system = _system(backend)
+    if backend is not None:
+        _system(backend)  # a backend this machine lacks is refused before any request
+    # Described where a variant is chosen: an answer before that (no such repo or revision, an
+    # untrusted publisher) comes without importing torch, 2 of a CLI command's 3 s on a CPU.
+    system = functools.partial(_system, backend)
     offline = settings.offline()
     kwargs = dict(
         check_arch=check_arch,

@@ -168,6 +168,40 @@ def test_pull_user_errors_are_one_line_and_a_hint(hub, repos, spec, error, statu
     assert lines[-1].startswith("hint: ")
 
 
+# The CLI's entry point in a fresh interpreter, saying whether torch was imported.
+PULL_AND_SAY_IF_TORCH = """
+import sys
+from kernels.cli.main import main
+code = main({argv!r})
+print("RESULT", code, "torch" in sys.modules)
+"""
+
+
+def _pull_in_fresh_process(*argv: str) -> tuple[str, str]:
+    out = run_python(PULL_AND_SAY_IF_TORCH.format(argv=["pull", *argv]))
+    (result,) = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    return result, out.stderr
+
+
+def test_a_pull_that_fails_before_choosing_a_variant_does_not_import_torch(hub, repos):
+    """torch describes the machine only once a variant is chosen: a repo or version that does
+    not exist is answered without its import (2 of the command's 3 s on a CPU machine)."""
+    for spec in ("kernels-test/missing@v1", "kernels-test/relu@v9"):
+        result, err = _pull_in_fresh_process(spec)
+        assert result == "RESULT 1 False", (spec, result, err)
+        assert "not found" in err
+    # the contrast: a pull that chooses a variant describes the machine with torch
+    assert _pull_in_fresh_process("kernels-test/relu@v1")[0] == "RESULT 0 True"
+
+
+def test_a_backend_this_machine_lacks_is_refused_before_any_request(hub, repos):
+    hub.reset_requests()
+    out = cli("pull", "kernels-test/missing@v1", "--backend", "rocm")
+    assert out.returncode == 2, out.stderr
+    assert "Invalid backend 'rocm'" in out.stderr
+    assert hub.requests == []
+
+
 def test_pull_when_the_hub_is_down_is_a_clear_error(hub, repos):
     out = cli("pull", "kernels-test/relu@v1", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
     assert out.returncode == 1
