@@ -139,16 +139,20 @@ def main(argv: list[str] | None = None) -> int:
     if faults is not None:
         server.faults = faults
         _warn(f"injecting faults: {faults.describe()}")
-    stop = threading.Event()
+    stopping: list[int] = []
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+            # The handler only appends, and takes no lock: Python runs it in the main thread
+            # between two bytecodes, and one that set a threading.Event while this loop waited
+            # on that Event could land while the loop held the Event's lock, and never return
+            # (seen once in CI: a SIGTERM the server did not answer in 10 s).
+            previous[sig] = signal.signal(sig, lambda signum, _frame: stopping.append(signum))
     server.start()
     print(f"serving {server.root} on {server.url}", flush=True)
     try:
-        while not stop.wait(0.5):
-            pass
+        while not stopping:
+            time.sleep(0.2)
     finally:
         server.shutdown()
         for sig, handler in previous.items():

@@ -61,6 +61,50 @@ def test_cli_serves_and_stops_on_signal(tmp_path, sig):
     assert proc.stderr.read() == ""
 
 
+# `kernels serve` in the main thread of a process that raises SIGTERM in itself at the worst
+# moment it can: once serving, right after its main thread has taken a lock (a profile hook
+# sees the C `acquire` return). Python runs the handler at the next bytecode, that lock held.
+SIGNAL_WHILE_HOLDING_A_LOCK = """
+import signal, sys
+from kernels.serve.cli import main
+
+serving = []
+write = sys.stdout.write
+sys.stdout.write = lambda text: (serving.append(text.startswith("serving ")), write(text))[1]
+
+def hook(frame, event, arg):
+    taken = event == "c_return" and getattr(arg, "__name__", "") in ("acquire", "__enter__")
+    if taken and any(serving):
+        sys.setprofile(None)
+        print("raised", flush=True)
+        signal.raise_signal(signal.SIGTERM)
+
+sys.setprofile(hook)
+sys.exit(main([sys.argv[1], "--port", "0"]))
+"""
+
+
+def test_a_signal_that_lands_while_the_main_loop_holds_a_lock_still_stops_the_server(tmp_path):
+    """A handler that set a threading.Event the main loop waited on deadlocked here (the
+    handler blocks on the Event's lock, held by the thread it interrupted): the server never
+    stopped, as a CI run once saw. Where the loop takes no lock, the signal comes from here."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGNAL_WHILE_HOLDING_A_LOCK, str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert SERVING.match(proc.stdout.readline().rstrip("\n"))
+        try:
+            code = proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=10)
+        assert code == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_cli_line_names_the_resolved_dir(tmp_path):
     proc = start(str(tmp_path), "--port", "0", "--no-lfs-redirect")
     try:
