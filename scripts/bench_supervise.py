@@ -261,7 +261,7 @@ class Child:
                 if self._await_frame(wait_s):
                     break
             self._await_quiet(0.5)  # faulthandler writes the dump in one go: let the rest arrive
-            if not any(_FRAME.match(x) for x in self._dump):
+            if not self._await_frame(0):
                 self.state_at_kill = _proc_state(self.proc.pid) or "unknown"
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -273,6 +273,12 @@ class Child:
             pass
         self._join(5.0)  # bounded: a grandchild outside the group may hold the pipes
         return stack_from_dump(list(self._dump))
+
+
+def where_stuck(stack: str, child: Child) -> str:
+    """The end of a kill's reason: where the child was (`kill()`'s stack), or that it gave no
+    stack and its process state."""
+    return f"stuck at {stack}" if stack else f"no stack dump (process state: {child.state_at_kill})"
 
 
 def _proc_state(pid: int) -> str:

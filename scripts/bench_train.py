@@ -716,7 +716,7 @@ def run_setup(setup: str, cmd: list[str], env: dict, timeout_s: float | None) ->
     when it failed or ran past `timeout_s`. Its progress lines are echoed as they come. On a
     timeout the child's stack is taken (SIGUSR1) before its whole process group is killed
     (compile workers too), and the reason says the phase it was in and where."""
-    from bench_supervise import PROGRESS, Child, log
+    from bench_supervise import PROGRESS, Child, log, where_stuck
 
     result: list[str] = []
     progress: list[str] = []
@@ -741,12 +741,7 @@ def run_setup(setup: str, cmd: list[str], env: dict, timeout_s: float | None) ->
         stack = proc.kill()
         last = progress[-1].split(": ", 1)[-1] if progress else "no progress line yet"
         reason = f"killed after {timeout_s:.0f} s (last progress: {last})"
-        where = (
-            f"; stuck at {stack}"
-            if stack
-            else f"; no stack dump (process state: {proc.state_at_kill})"
-        )
-        return {"setup": setup, "error": reason + where}
+        return {"setup": setup, "error": f"{reason}; {where_stuck(stack, proc)}"}
     if not result:
         print("\n".join(proc.tail), file=sys.stderr)
         lines = [x for x in proc.tail if x.strip() and not x.startswith(PROGRESS)]

@@ -169,7 +169,7 @@ def sweep(
     its last line; either way a fresh worker takes the next type. With `deadline_s`, types not
     started before it (less a margin) are "skipped" rows saying so. `kind` picks the runner
     (RUNNERS); `on_outcome(outcome)` is called as each type's row comes in (under a lock)."""
-    from bench_supervise import Child, log
+    from bench_supervise import Child, log, where_stuck
 
     from tests.models.registry import Outcome
 
@@ -239,9 +239,8 @@ def sweep(
             else:
                 stack = child.kill()
                 outcome = Outcome(model_type, "skipped", reason=(
-                    f"killed after {hard:.0f} s (over the per-type limit of {limit_s} s)"
-                    + (f", stuck at {stack}" if stack else
-                       f", no stack dump (process state: {child.state_at_kill})")))  # fmt: skip
+                    f"killed after {hard:.0f} s (over the per-type limit of {limit_s} s), "
+                    + where_stuck(stack, child)))  # fmt: skip
                 child = None
             record(index, outcome, worker_no)
         if child is not None:
